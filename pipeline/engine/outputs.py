@@ -1,0 +1,50 @@
+"""Plain dataclasses passed between the scheduler and the model runner."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .request import SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    request_id: str
+    # Token ids to run this step: [start_pos, start_pos + len(token_ids)).
+    token_ids: list[int]
+    # Position of token_ids[0]; equals the request's num_computed_tokens before the step.
+    start_pos: int
+    # Physical block ids holding positions [0, start_pos + len(token_ids)).
+    block_table: list[int]
+    # True when this chunk reaches the end of the known tokens, so the next token is sampled.
+    sample: bool
+    sampling: SamplingParams
+    # Index of the token about to be sampled among the outputs; with the seed it fixes the draw.
+    output_index: int
+
+
+@dataclass
+class SchedulerOutput:
+    # Requests run this step, decodes first, then prefill chunks.
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    # Requests preempted (freed for recompute) while making room this step.
+    preempted: list[str] = field(default_factory=list)
+    # Requests that ended without running (they can never fit); their results are final.
+    rejected: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    # log-probability of token_id, and the top-k {token: logprob}, when asked for.
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass
+class RunnerOutput:
+    # request_id -> the token sampled at its last scheduled position (sampled seqs only).
+    sampled: dict[str, SampledToken] = field(default_factory=dict)

@@ -1,0 +1,218 @@
+"""Continuous batching: every step spends a token budget on running decodes first, then on
+prefill chunks, admitting waiting requests while blocks and seats last. When blocks run out,
+the newest running request is preempted and later recomputed."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from .kv_manager import KVCacheManager
+from .outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
+from .request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    peak_running: int = 0
+    peak_kv_blocks: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, clock=time.perf_counter) -> None:
+        self.config = config
+        self.kv = kv
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._rejected: list[Request] = []
+
+    # -- admission -------------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self.requests[req.request_id] = req
+        reason = self._never_fits(req)
+        if reason:
+            self._finish(req, "error", error=reason)
+            self._rejected.append(req)
+            return
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def _never_fits(self, req: Request) -> str | None:
+        if req.num_prompt_tokens == 0:
+            return "empty prompt"
+        total = req.num_prompt_tokens + req.sampling.max_tokens
+        if total > self.config.max_model_len:
+            return (f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.sampling.max_tokens}) "
+                    f"exceeds the model's max length {self.config.max_model_len}")
+        need = self.kv.blocks_needed(total)
+        if need > self.kv.num_blocks:
+            return (f"needs {need} KV blocks for {total} tokens but the cache holds only "
+                    f"{self.kv.num_blocks}; raise engine.kv_cache_gib or lower max_tokens")
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._rejected)
+
+    # -- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(rejected=[r.request_id for r in self._rejected])
+        self._rejected.clear()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        # Oldest first: decodes of earlier admissions go ahead of the newest prefill chunks, and a
+        # victim preempted from the tail of `running` has never been scheduled in this step.
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._make_room(req, n, out):
+                continue
+            scheduled.append((req, n))
+            budget -= n
+        if not out.preempted:
+            budget = self._admit(budget, scheduled)
+        out.seqs = [self._scheduled_seq(req, n) for req, n in scheduled]
+        self._account(out)
+        return out
+
+    def _make_room(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Allocate n slots for a running request, preempting the newest requests as needed.
+        False when req itself had to be preempted."""
+        while self.kv.allocate_slots(req, n) is None:
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _admit(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            computed, num_cached = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_cached, budget)
+            if self.kv.allocate_slots(req, n, computed) is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_cached
+            req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _scheduled_seq(self, req: Request, n: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=req.token_ids_slice(start, start + n),
+            start_pos=start,
+            block_table=self.kv.block_ids(req.request_id),
+            sample=start + n == req.num_tokens,
+            sampling=req.sampling,
+            output_index=req.num_output_tokens,
+        )
+
+    def _account(self, out: SchedulerOutput) -> None:
+        s = self.stats
+        s.num_steps += 1
+        for seq in out.seqs:
+            if len(seq.token_ids) == 1 and seq.start_pos >= self.requests[seq.request_id].num_prompt_tokens:
+                s.decode_tokens += 1
+            else:
+                s.prefill_tokens += len(seq.token_ids)
+        s.peak_running = max(s.peak_running, len(self.running))
+        s.peak_kv_blocks = max(s.peak_kv_blocks, self.kv.pool.num_used_blocks)
+
+    # -- results ---------------------------------------------------------------------------
+
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Apply a step's results. Returns the requests that got a new token (finished ones
+        included); finished requests have left the running set and freed their blocks."""
+        now = self.clock()
+        touched: list[Request] = []
+        finished: list[Request] = []
+        for seq in sched.seqs:
+            req = self.requests[seq.request_id]
+            req.num_computed_tokens += len(seq.token_ids)
+            self.kv.cache_blocks(req)
+            tok = result.sampled.get(seq.request_id)
+            if tok is None:
+                continue
+            req.output_token_ids.append(tok.token_id)
+            req.token_times.append(now)
+            if tok.logprob is not None:
+                req.logprobs.append((tok.logprob, tok.top_logprobs or {}))
+            touched.append(req)
+            reason = self._stop_reason(req, tok.token_id)
+            if reason:
+                finished.append(req)
+                self._finish(req, reason)
+        for req_id in sched.rejected:
+            touched.append(self.requests[req_id])
+        return touched
+
+    def _stop_reason(self, req: Request, token_id: int) -> str | None:
+        sp = req.sampling
+        if not sp.ignore_eos and token_id in req.eos_token_ids:
+            return "stop"
+        if token_id in sp.stop_token_ids:
+            return "stop"
+        if req.num_output_tokens >= sp.max_tokens:
+            return "length"
+        return None
+
+    def finish_request(self, request_id: str, reason: str, error: str | None = None) -> None:
+        """End a request from outside (a stop string matched, or the caller aborts it)."""
+        req = self.requests[request_id]
+        if not req.is_finished:
+            self._finish(req, reason, error)
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.forget(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.error = error
+
+    def release(self, request_id: str) -> Request:
+        """Forget a finished request once its result has been handed out."""
+        return self.requests.pop(request_id)

@@ -1,0 +1,252 @@
+"""The Python API: Engine(...).generate(requests) streams results as requests finish."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+
+from .engine.kv_manager import KVCacheManager
+from .engine.request import Request, SamplingParams
+from .engine.scheduler import Scheduler, SchedulerConfig
+from .errors import ConfigError
+from .runner.linear import onednn_available
+from .runner.model import CausalLM, ModelShape
+from .runner.model_runner import KVCache, ModelRunner
+
+log = logging.getLogger("batchgen")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    # KV budget in GiB; when None, kv_cache_fraction of free memory (capped at what the
+    # batch can use: max_num_seqs sequences of max_model_len tokens).
+    kv_cache_gib: float | None = None
+    kv_cache_fraction: float = 0.25
+    # Cap on prompt + output tokens; defaults to the model's context length.
+    max_model_len: int | None = None
+    prefix_caching: bool = True
+    dtype: str = "auto"
+    device: str = "auto"
+    # "auto": oneDNN packed GEMMs on CPU when available; "plain": F.linear (exact reference).
+    linear_path: str = "auto"
+    # "batched" (padded, one SDPA for all decodes) or "exact" (per sequence, bit-identical
+    # to transformers' batch-1 decode).
+    decode_attention: str = "batched"
+    seed: int = 0
+    # Waiting requests kept in the scheduler ahead of need, as a multiple of max_num_seqs.
+    lookahead: int = 4
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    sample_index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    error: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float | None
+    itl_s: float | None
+    logprobs: list[tuple[float, dict[int, float]]]
+    preemptions: int
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("model.device: 'cuda' asked for but torch sees no CUDA device")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"model.device: {device!r} is not one of auto, cpu, cuda")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ConfigError(f"model.dtype: {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 8 << 30
+
+
+class Engine:
+    """Continuous batching on a paged KV cache. Build it from a model spec or a loaded
+    transformers model; feed it GenerationRequests; results stream out as they finish."""
+
+    def __init__(self, hf_model, tokenizer, config: EngineConfig | None = None, model_identity: str = "") -> None:
+        self.config = cfg = config or EngineConfig()
+        self.tokenizer = tokenizer
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        linear_path = cfg.linear_path
+        if linear_path == "auto":
+            linear_path = "onednn" if self.device.type == "cpu" and onednn_available() else "plain"
+        self.linear_path = linear_path
+        self.model = CausalLM(hf_model, self.dtype, str(self.device), linear_path)
+        shape: ModelShape = self.model.shape
+        self.max_model_len = min(cfg.max_model_len or shape.max_position, shape.max_position)
+        window = getattr(hf_model.config, "sliding_window", None)
+        if window and getattr(hf_model.config, "use_sliding_window", True) and window < self.max_model_len:
+            # Within the window, sliding and full attention agree exactly.
+            self.max_model_len = window
+        self.kv_bytes_per_token = shape.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        self.num_blocks = self._num_blocks(shape)
+        self.kv_cache = KVCache(shape.num_layers, self.num_blocks, cfg.block_size, shape.num_kv_heads,
+                                shape.head_dim, self.dtype, self.device)
+        salt = f"{model_identity}|{self.dtype}".encode()
+        self.kv_manager = KVCacheManager(self.num_blocks, cfg.block_size, cfg.prefix_caching, salt)
+        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len),
+                                   self.kv_manager)
+        self.runner = ModelRunner(self.model, self.kv_cache, cfg.decode_attention, cfg.seed)
+        self.eos_token_ids = self._eos_ids(hf_model, tokenizer)
+        log.info("engine: %s %s, linear=%s, KV cache %d blocks x %d tokens = %.2f GiB (%d B/token)",
+                 self.device, str(self.dtype).replace("torch.", ""), linear_path, self.num_blocks, cfg.block_size,
+                 self.kv_cache.bytes / 2**30, self.kv_bytes_per_token)
+        self.step_count = 0
+
+    @classmethod
+    def from_model(cls, spec: str, config: EngineConfig | None = None) -> "Engine":
+        from .models.loader import load_hf_model, load_tokenizer, resolve_model
+
+        source = resolve_model(spec)
+        hf_model = load_hf_model(source)
+        return cls(hf_model, load_tokenizer(source), config, model_identity=source.identity)
+
+    def _num_blocks(self, shape: ModelShape) -> int:
+        cfg = self.config
+        per_block = cfg.block_size * self.kv_bytes_per_token
+        if cfg.kv_cache_gib is not None:
+            budget = int(cfg.kv_cache_gib * 2**30)
+        else:
+            budget = int(cfg.kv_cache_fraction * available_memory_bytes(self.device))
+            useful = cfg.max_num_seqs * (-(-self.max_model_len // cfg.block_size) + 1) * per_block
+            budget = min(budget, useful)
+        blocks = budget // per_block
+        if blocks < 1:
+            raise ConfigError(f"engine.kv_cache_gib: {budget} bytes hold no {per_block}-byte block; raise it")
+        return blocks
+
+    @staticmethod
+    def _eos_ids(hf_model, tokenizer) -> tuple[int, ...]:
+        ids = set()
+        for src in (getattr(hf_model, "generation_config", None), hf_model.config):
+            e = getattr(src, "eos_token_id", None) if src is not None else None
+            if isinstance(e, int):
+                ids.add(e)
+            elif e:
+                ids.update(e)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # -- generation ------------------------------------------------------------------------
+
+    def generate(self, requests: Iterable[GenerationRequest]) -> Iterator[GenerationResult]:
+        """Run every request; yield each result (one per sample) as soon as it finishes."""
+        pending = iter(requests)
+        exhausted = False
+        sched = self.scheduler
+        target = self.config.max_num_seqs * self.config.lookahead
+        while True:
+            while not exhausted and len(sched.waiting) < target:
+                req = next(pending, None)
+                if req is None:
+                    exhausted = True
+                else:
+                    self.add_request(req)
+            if not sched.has_unfinished():
+                if exhausted:
+                    return
+                continue
+            yield from self.step()
+
+    def add_request(self, req: GenerationRequest) -> None:
+        sp = req.sampling
+        now = time.perf_counter()
+        for i in range(sp.n):
+            child_sp = sp
+            if sp.n > 1:
+                from dataclasses import replace
+
+                child_sp = replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
+            r = Request(f"{req.request_id}\x00{i}", list(req.prompt_token_ids), child_sp, self.eos_token_ids, now)
+            self.scheduler.add_request(r)
+
+    def step(self) -> list[GenerationResult]:
+        sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched_out.seqs)
+        touched = self.scheduler.update(sched_out, runner_out)
+        self.step_count += 1
+        results = []
+        for req in touched:
+            text = None
+            if req.sampling.stop and not req.is_finished:
+                text = self._check_stop_strings(req)
+            if req.is_finished:
+                results.append(self._result(req, text))
+        return results
+
+    def _check_stop_strings(self, req: Request) -> str | None:
+        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        tail_from = max(0, len(text) - max(len(s) for s in req.sampling.stop) - 16)
+        hits = [i for i in (text.find(s, tail_from) for s in req.sampling.stop) if i >= 0]
+        if not hits:
+            return None
+        self.scheduler.finish_request(req.request_id, "stop")
+        return text[: min(hits)]
+
+    def _result(self, req: Request, text: str | None) -> GenerationResult:
+        self.scheduler.release(req.request_id)
+        if text is None:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True) if req.output_token_ids else ""
+        times = req.token_times
+        ttft = times[0] - req.arrival_time if times else None
+        itl = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+        rid, _, idx = req.request_id.rpartition("\x00")
+        return GenerationResult(rid, int(idx), text, list(req.output_token_ids), req.finish_reason or "error",
+                                req.error, req.num_prompt_tokens, req.num_cached_tokens, ttft, itl, req.logprobs,
+                                req.num_preemptions)
+
+    def counters(self) -> dict:
+        s = self.scheduler.stats
+        return {
+            "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""), "linear_path": self.linear_path,
+            "num_kv_blocks": self.num_blocks, "block_size": self.config.block_size,
+            "kv_cache_bytes": self.kv_cache.bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
+            "max_model_len": self.max_model_len, "steps": s.num_steps, "preemptions": s.num_preemptions,
+            "prefill_tokens": s.prefill_tokens, "decode_tokens": s.decode_tokens, "peak_running": s.peak_running,
+            "peak_kv_blocks": s.peak_kv_blocks, "prefix_hit_rate": round(self.kv_manager.prefix_hit_rate(), 4),
+            "prefix_cache_evictions": self.kv_manager.pool.num_evictions,
+        }

@@ -1,0 +1,1 @@
+"""Tensors: the model, the paged KV cache, attention and sampling."""

@@ -1,0 +1,116 @@
+"""Paged attention in plain torch (the CPU path and the reference for the Triton kernels).
+
+The KV cache of one layer is k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim].
+New tokens' K/V are written through slot_mapping first; attention then reads only the cache
+(plus, for a prefill from position 0, the batch itself).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    # Token range of this sequence inside the flat batch.
+    tok_start: int
+    tok_end: int
+    # Position of its first token (tokens before it are in the cache).
+    start_pos: int
+    # Physical block ids covering positions [0, start_pos + n).
+    block_table: torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    # The first num_decodes tokens of the batch are decodes, one per sequence.
+    num_decodes: int
+    # [num_decodes, max_blocks] block ids (padding entries point at block 0 and are masked).
+    decode_block_tables: torch.Tensor | None
+    # [num_decodes] context length including the new token.
+    decode_context_lens: torch.Tensor | None
+    # Prefill chunks after the decodes.
+    prefills: list[PrefillSeq]
+    # [num_tokens] flat slot (block_id * block_size + offset) of each new token.
+    slot_mapping: torch.Tensor
+    # "batched": pad decodes to the longest context and run one masked SDPA;
+    # "exact": one unpadded SDPA per sequence, bit-identical to transformers' batch-1 path.
+    decode_mode: str = "batched"
+    # [num_decodes, 1, 1, L] validity mask for batched decode, built once per step.
+    decode_mask: torch.Tensor | None = None
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write new tokens' K/V ([num_tokens, kv_heads, head_dim]) into the paged cache."""
+    nb, bs, h, d = k_cache.shape
+    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Positions [0, length) of one sequence: [length, kv_heads, head_dim]."""
+    nb, bs, h, d = cache.shape
+    n_blocks = -(-length // bs)
+    return cache[block_table[:n_blocks]].reshape(n_blocks * bs, h, d)[:length]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [num_tokens, heads, dim], k/v [num_tokens, kv_heads, dim] -> [num_tokens, heads, dim]."""
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        if meta.decode_mode == "exact":
+            for i in range(nd):
+                ctx = int(meta.decode_context_lens[i])
+                out[i] = _sdpa_one(q[i : i + 1], gather_context(k_cache, meta.decode_block_tables[i], ctx),
+                                   gather_context(v_cache, meta.decode_block_tables[i], ctx), scale, causal=False)[0]
+        else:
+            out[:nd] = _decode_batched(q[:nd], k_cache, v_cache, meta, scale)
+    for p in meta.prefills:
+        qs = q[p.tok_start : p.tok_end]
+        if p.start_pos == 0:
+            ks, vs = k[p.tok_start : p.tok_end], v[p.tok_start : p.tok_end]
+            out[p.tok_start : p.tok_end] = _sdpa_one(qs, ks, vs, scale, causal=True)
+        else:
+            total = p.start_pos + qs.shape[0]
+            ks = gather_context(k_cache, p.block_table, total).to(q.dtype)
+            vs = gather_context(v_cache, p.block_table, total).to(q.dtype)
+            out[p.tok_start : p.tok_end] = _sdpa_offset(qs, ks, vs, p.start_pos, scale)
+    return out
+
+
+def _sdpa_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    # [n, h, d] -> [1, h, n, d]; GQA handled by SDPA itself, as transformers does.
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype),
+                                       v.transpose(0, 1)[None].to(q.dtype), is_causal=causal, scale=scale,
+                                       enable_gqa=q.shape[1] != k.shape[1])
+    return o[0].transpose(0, 1)
+
+
+def _sdpa_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Causal attention of n new queries at positions start.. over start + n keys."""
+    n, total = q.shape[0], k.shape[0]
+    mask = torch.arange(total, device=q.device)[None, :] <= (torch.arange(n, device=q.device)[:, None] + start)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return o[0].transpose(0, 1)
+
+
+def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """All decodes at once. The query heads of one KV head are laid out as a query length of
+    `group`, so GQA reads each K/V once and needs no repeat."""
+    nd, nh, d = q.shape
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    group = nh // kvh
+    tables = meta.decode_block_tables
+    L = tables.shape[1] * bs
+    ks = k_cache[tables].view(nd, L, kvh, d).transpose(1, 2)  # [nd, kvh, L, d]
+    vs = v_cache[tables].view(nd, L, kvh, d).transpose(1, 2)
+    qg = q.view(nd, kvh, group, d)  # [nd, kvh, group, d]
+    o = F.scaled_dot_product_attention(qg, ks.to(q.dtype), vs.to(q.dtype), attn_mask=meta.decode_mask, scale=scale)
+    return o.reshape(nd, nh, d)

