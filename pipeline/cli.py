@@ -1,0 +1,129 @@
+"""The `batchgen` command. Each command parses options, builds a validated spec and calls one
+library function.
+
+Exit codes: 0 done (or nothing left to do), 1 bad input or config, 2 bad command line,
+3 another run of the job holds its lock, 75 stopped by a signal (rerun to resume).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .errors import BatchgenError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Offline bulk batch inference: Parquet prompts in, resumable Parquet results out.\n\n"
+                       "Exit codes: 0 done, 1 bad input/config, 2 bad command line, 3 job locked by another run, "
+                       "75 interrupted by a signal (rerun to resume).")
+log = logging.getLogger("batchgen")
+
+JOB_ARG = typer.Argument(..., help="Job spec YAML (see jobs/example.yaml and schemas/job.schema.json)")
+SET_OPT = typer.Option(None, "--set", help="Override a spec value: dotted.key=value (YAML value), repeatable")
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s batchgen %(levelname)s %(message)s", stream=sys.stderr)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _fail(err: BatchgenError) -> None:
+    if os.environ.get("BATCHGEN_DEBUG"):
+        raise err
+    typer.echo(f"error: {err}", err=True)
+    raise typer.Exit(err.exit_code)
+
+
+@app.command()
+def run(job: Path = JOB_ARG,
+        restart: bool = typer.Option(False, "--restart", help="Discard existing output of this job and start over"),
+        limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Run at most N of the rows not yet done"),
+        set_: Optional[List[str]] = SET_OPT) -> None:
+    """Run a job, or resume it from its ledger. Results go to output.path as Parquet parts."""
+    _setup_logging()
+    from .config import load_job
+    from .job import run_job
+
+    try:
+        summary = run_job(load_job(job, set_), restart=restart, limit=limit)
+    except BatchgenError as e:
+        _fail(e)
+    if summary.get("status") == "already_complete":
+        typer.echo(f"job already complete: {summary['rows_total']} rows; nothing to do")
+        return
+    typer.echo(f"done: {summary['rows_ok']} ok, {summary['rows_error']} errors, "
+               f"{summary['completion_tokens']} tokens at {summary['output_tokens_per_s']} tok/s; "
+               f"{summary['rows_done']}/{summary['rows_total']} rows of the job are done")
+
+
+@app.command()
+def validate(job: Path = JOB_ARG, set_: Optional[List[str]] = SET_OPT) -> None:
+    """Check the spec, input files, columns, prompts and model without generating."""
+    _setup_logging()
+    from .config import load_job
+    from .io.sources import read_input
+    from .job import context_length
+    from .models.loader import load_config, load_tokenizer, resolve_model
+    from .prepare import prepare_rows
+
+    try:
+        spec = load_job(job, set_)
+        rows = read_input(spec.input)
+        source = resolve_model(spec.model.path)
+        max_len = context_length(spec, load_config(source))
+        prepared = prepare_rows(rows, spec, load_tokenizer(source), max_len)
+    except BatchgenError as e:
+        _fail(e)
+    lengths = [len(prepared.token_ids[i]) for i in prepared.order]
+    typer.echo(f"ok: {len(rows)} rows in {len(rows.shards)} shard(s); model {source.identity}, context {max_len}")
+    if lengths:
+        typer.echo(f"prompt tokens: min {min(lengths)}, max {max(lengths)}, total {sum(lengths)}")
+    for i, msg in sorted(prepared.errors.items())[:20]:
+        typer.echo(f"row error: {rows.where(i)}: {msg}")
+    if prepared.errors:
+        typer.echo(f"{len(prepared.errors)} row(s) would become error rows (the job still runs)")
+
+
+@app.command()
+def status(job: Path = JOB_ARG, set_: Optional[List[str]] = SET_OPT,
+           as_json: bool = typer.Option(False, "--json", help="Print JSON")) -> None:
+    """Rows done/total per input shard, read from the ledger."""
+    _setup_logging()
+    from .config import load_job
+    from .job import job_status
+
+    try:
+        st = job_status(load_job(job, set_))
+    except BatchgenError as e:
+        _fail(e)
+    if as_json:
+        typer.echo(json.dumps(st, indent=1))
+        return
+    for s in st["shards"]:
+        typer.echo(f"{s['shard']}: {s['done']}/{s['rows']}")
+    typer.echo(f"total: {st['done']}/{st['rows']} rows done in {st['output']}")
+
+
+@app.command()
+def schema(out_dir: Path = typer.Option(Path("schemas"), "--out", help="Folder for the JSON schema files")) -> None:
+    """Regenerate schemas/job.schema.json from the job spec model."""
+    from .config import job_json_schema
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "job.schema.json").write_text(json.dumps(job_json_schema(), indent=2) + "\n")
+    typer.echo(f"wrote {out_dir / 'job.schema.json'}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

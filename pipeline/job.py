@@ -1,0 +1,322 @@
+"""Run a job end to end: read, prepare, generate, write durable parts, resume after a crash."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+from .config import JobSpec
+from .errors import Interrupted
+from .io.sources import InputRows, read_input
+from .io.store import OutputStore, atomic_write_json
+from .metrics import latency_summary, peak_rss_bytes
+
+log = logging.getLogger("batchgen")
+
+
+def fingerprint(spec: JobSpec, rows: InputRows, model_identity: str) -> dict:
+    """What decides the output: a resume under a different fingerprint would mix two jobs."""
+    inputs = hashlib.sha256("\n".join(f"{s.path}:{s.num_rows}" for s in rows.shards).encode())
+    inputs.update("\n".join(rows.ids).encode())
+    return {
+        "model": model_identity,
+        "dtype": spec.model.dtype,
+        "sampling": spec.sampling.model_dump(mode="json"),
+        "template": {k: v for k, v in spec.input.model_dump(mode="json").items() if k not in ("path", "dataset")},
+        "on_too_long": spec.on_too_long,
+        "inputs": inputs.hexdigest()[:32],
+    }
+
+
+def engine_config(spec: JobSpec):
+    from .llm import EngineConfig
+
+    e = spec.engine
+    return EngineConfig(block_size=e.block_size, max_num_seqs=e.max_num_seqs,
+                        max_num_batched_tokens=e.max_num_batched_tokens, kv_cache_gib=e.kv_cache_gib,
+                        kv_cache_fraction=e.kv_cache_fraction, max_model_len=e.max_model_len,
+                        prefix_caching=e.prefix_caching, dtype=spec.model.dtype, device=spec.model.device,
+                        linear_path=e.linear_path, decode_attention=e.decode_attention, seed=e.seed)
+
+
+def context_length(spec: JobSpec, model_config) -> int:
+    n = model_config.max_position_embeddings
+    if spec.engine.max_model_len:
+        n = min(n, spec.engine.max_model_len)
+    window = getattr(model_config, "sliding_window", None)
+    if window and getattr(model_config, "use_sliding_window", True):
+        n = min(n, window)
+    return n
+
+
+@dataclass
+class RunStats:
+    rows_ok: int = 0
+    rows_error: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+
+
+class ResultSink:
+    """Buffers finished rows (all n samples of an id together) and commits them as parts."""
+
+    def __init__(self, store: OutputStore, spec: JobSpec, rows: InputRows, stats: RunStats) -> None:
+        self.store, self.spec, self.rows, self.stats = store, spec, rows, stats
+        self.n = spec.sampling.n
+        self.index = {rid: i for i, rid in enumerate(rows.ids)}
+        self.schema = output_schema(spec, rows)
+        self.buffer: list[dict] = []
+        self.buffer_ids: list[str] = []
+        self.partial: dict[str, list[dict]] = {}
+        self.last_flush = time.monotonic()
+        self.rows_done = 0
+
+    def add(self, row_id: str, sample_index: int, text: str | None, finish_reason: str, error: str | None,
+            prompt_tokens: int, completion_tokens: int, ttft: float | None, itl: float | None) -> None:
+        i = self.index[row_id]
+        rec = {"id": row_id, "sample_index": sample_index, "text": text, "finish_reason": finish_reason,
+               "error": error, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+               "ttft_s": ttft, "itl_s": itl}
+        for col, (_, values) in self.rows.passthrough.items():
+            rec[col] = values[i]
+        s = self.stats
+        if error is None:
+            s.completion_tokens += completion_tokens
+            if ttft is not None:
+                s.ttft.append(ttft)
+            if itl is not None:
+                s.itl.append(itl)
+        s.prompt_tokens += prompt_tokens
+        samples = self.partial.setdefault(row_id, [])
+        samples.append(rec)
+        if len(samples) < self.n:
+            return
+        del self.partial[row_id]
+        if all(r["error"] is None for r in samples):
+            s.rows_ok += 1
+        else:
+            s.rows_error += 1
+        samples.sort(key=lambda r: r["sample_index"])
+        self.buffer.extend(samples)
+        self.buffer_ids.append(row_id)
+        self.rows_done += 1
+        if len(self.buffer) >= self.spec.output.rows_per_part:
+            self.flush()
+
+    def add_error(self, row_id: str, message: str, prompt_tokens: int = 0) -> None:
+        for k in range(self.n):
+            self.add(row_id, k, None, "error", message, prompt_tokens, 0, None, None)
+
+    def maybe_flush(self) -> None:
+        if self.buffer and time.monotonic() - self.last_flush >= self.spec.output.flush_interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        self.last_flush = time.monotonic()
+        if not self.buffer:
+            return
+        cols = {f.name: [r[f.name] for r in self.buffer] for f in self.schema}
+        table = pa.table(cols, schema=self.schema)
+        self.store.commit(table, self.buffer_ids)
+        self.buffer, self.buffer_ids = [], []
+
+
+def output_schema(spec: JobSpec, rows: InputRows) -> pa.Schema:
+    fields = [pa.field("id", pa.string(), nullable=False)]
+    if spec.sampling.n > 1:
+        fields.append(pa.field("sample_index", pa.int32(), nullable=False))
+    fields += [pa.field(c, t) for c, (t, _) in rows.passthrough.items()]
+    fields += [pa.field("text", pa.string()), pa.field("finish_reason", pa.string(), nullable=False),
+               pa.field("error", pa.string()), pa.field("prompt_tokens", pa.int32(), nullable=False),
+               pa.field("completion_tokens", pa.int32(), nullable=False), pa.field("ttft_s", pa.float64()),
+               pa.field("itl_s", pa.float64())]
+    return pa.schema(fields)
+
+
+class StopFlag:
+    """SIGTERM, SIGINT and SIGUSR1 (Slurm's warning) stop admission; finished rows are flushed."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._old = {}
+
+    def __enter__(self) -> "StopFlag":
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. inside a test runner thread)
+                pass
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.signal = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def __bool__(self) -> bool:
+        return self.signal is not None
+
+
+class Progress:
+    """A tqdm bar on a TTY; periodic plain log lines otherwise (cron, Slurm)."""
+
+    def __init__(self, total: int, interval_s: float = 30.0) -> None:
+        self.total = total
+        self.tty = sys.stderr.isatty()
+        self.interval = interval_s
+        self.start = time.monotonic()
+        self.last = self.start
+        self.bar = None
+        if self.tty:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="row", dynamic_ncols=True)
+
+    def update(self, done: int, out_tokens: int, engine=None) -> None:
+        now = time.monotonic()
+        rate = out_tokens / max(now - self.start, 1e-9)
+        if self.bar is not None:
+            self.bar.n = done
+            self.bar.set_postfix_str(f"{rate:.0f} tok/s" + (f" kv {engine.kv_manager.usage():.0%}" if engine else ""),
+                                     refresh=False)
+            self.bar.refresh()
+            return
+        if now - self.last >= self.interval or done == self.total:
+            self.last = now
+            eta = (now - self.start) / done * (self.total - done) if done else float("nan")
+            extra = ""
+            if engine is not None:
+                sch = engine.scheduler
+                extra = (f", running {len(sch.running)}, waiting {len(sch.waiting)}, kv {engine.kv_manager.usage():.0%}, "
+                         f"prefix hits {engine.kv_manager.prefix_hit_rate():.0%}, preemptions {sch.stats.num_preemptions}")
+            log.info("progress: %d/%d rows, %.1f output tok/s, ETA %.0fs%s", done, self.total, rate, eta, extra)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_job(spec: JobSpec, restart: bool = False, limit: int | None = None) -> dict:
+    """Run (or resume) a job. Returns the summary; raises BatchgenError subclasses on failure."""
+    from .models.loader import load_config, load_tokenizer, resolve_model
+
+    t0 = time.monotonic()
+    rows = read_input(spec.input)
+    source = resolve_model(spec.model.path)
+    store = OutputStore(spec.output.path)
+    store.acquire_lock()
+    try:
+        done = store.open(fingerprint(spec, rows, source.identity), restart)
+        todo = [i for i, rid in enumerate(rows.ids) if rid not in done]
+        if not todo:
+            log.info("nothing to do: all %d rows of %s are already done", len(rows), spec.output.path)
+            _compact_if_needed(store, spec, rows, complete=True)
+            return {"status": "already_complete", "rows_total": len(rows), "rows_done": len(done)}
+        if limit is not None:
+            todo = todo[:limit]
+        skip = set(rows.ids) - {rows.ids[i] for i in todo}
+        log.info("%d rows to run (%d already done, %d in input)", len(todo), len(done), len(rows))
+        tokenizer = load_tokenizer(source)
+        max_len = context_length(spec, load_config(source))
+        from .prepare import prepare_rows
+
+        prepared = prepare_rows(rows, spec, tokenizer, max_len, skip=skip)
+        stats = RunStats()
+        sink = ResultSink(store, spec, rows, stats)
+        for i, msg in sorted(prepared.errors.items()):
+            sink.add_error(rows.ids[i], msg)
+        summary = _generate(spec, source, rows, prepared, sink, stats, t0, tokenizer)
+        sink.flush()
+        complete = len(done) + sink.rows_done == len(rows)
+        _compact_if_needed(store, spec, rows, complete)
+        summary.update(rows_total=len(rows), rows_done=len(done) + sink.rows_done, complete=complete)
+        atomic_write_json(Path(spec.output.path) / "summary.json", summary)
+        if summary.get("interrupted"):
+            raise Interrupted(f"stopped by signal {summary['interrupted']} after committing finished rows; "
+                              "rerun the same command to resume")
+        return summary
+    finally:
+        store.release_lock()
+
+
+def _compact_if_needed(store: OutputStore, spec: JobSpec, rows: InputRows, complete: bool) -> None:
+    if spec.output.order == "input" and complete:
+        index = {rid: i for i, rid in enumerate(rows.ids)}
+        has_sample = spec.sampling.n > 1
+
+        def key(table, i):
+            return (index[table.column("id")[i].as_py()], table.column("sample_index")[i].as_py() if has_sample else 0)
+
+        store.compact(key, spec.output.rows_per_part)
+
+
+def _generate(spec, source, rows, prepared, sink: ResultSink, stats: RunStats, t0: float, tokenizer) -> dict:
+    from .llm import Engine, GenerationRequest
+    from .models.loader import load_hf_model
+
+    summary: dict = {"interrupted": None}
+    engine = None
+    gen_start = time.monotonic()
+    if prepared.order:
+        t_load = time.monotonic()
+        cfg = engine_config(spec)
+        cfg.max_seq_tokens = max(len(prepared.token_ids[i]) + prepared.sampling[i].max_tokens for i in prepared.order)
+        engine = Engine(load_hf_model(source), tokenizer, cfg, model_identity=source.identity)
+        log.info("model loaded in %.1fs", time.monotonic() - t_load)
+        requests = (GenerationRequest(rows.ids[i], list(prepared.token_ids[i]), prepared.sampling[i])
+                    for i in prepared.order)
+        progress = Progress(len(prepared.order) + len(prepared.errors))
+        gen_start = time.monotonic()
+        with StopFlag() as stop:
+            for res in engine.generate(requests, should_stop=lambda: bool(stop)):
+                sink.add(res.request_id, res.sample_index, res.text, res.finish_reason, res.error,
+                         res.prompt_tokens, res.completion_tokens, res.ttft_s, res.itl_s)
+                stats.cached_tokens += res.cached_tokens
+                progress.update(sink.rows_done, stats.completion_tokens, engine)
+                sink.maybe_flush()
+            if stop:
+                summary["interrupted"] = stop.signal
+        progress.close()
+    wall = time.monotonic() - gen_start
+    summary.update({
+        "rows_ok": stats.rows_ok, "rows_error": stats.rows_error, "rows_truncated": prepared.num_truncated,
+        "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+        "cached_prompt_tokens": stats.cached_tokens,
+        "generate_wall_s": round(wall, 3), "total_wall_s": round(time.monotonic() - t0, 3),
+        "output_tokens_per_s": round(stats.completion_tokens / wall, 2) if wall > 0 else None,
+        "total_tokens_per_s": round((stats.completion_tokens + stats.prompt_tokens) / wall, 2) if wall > 0 else None,
+        "ttft_s": latency_summary(stats.ttft), "itl_s": latency_summary(stats.itl),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "engine": engine.counters() if engine else None,
+    })
+    return summary
+
+
+def job_status(spec: JobSpec) -> dict:
+    """Rows done/total per shard, from the ledger (no model, no lock)."""
+    rows = read_input(spec.input)
+    store = OutputStore(spec.output.path)
+    done = set()
+    for e in store.entries().values():
+        done.update(e["ids"])
+    per_shard = []
+    for si, shard in enumerate(rows.shards):
+        ids = [rid for rid, s in zip(rows.ids, rows.shard_of) if s == si]
+        per_shard.append({"shard": shard.name, "path": shard.path, "rows": len(ids),
+                          "done": sum(1 for rid in ids if rid in done)})
+    summary_path = Path(spec.output.path) / "summary.json"
+    return {"output": spec.output.path, "rows": len(rows), "done": sum(s["done"] for s in per_shard),
+            "shards": per_shard,
+            "last_summary": json.loads(summary_path.read_text()) if summary_path.exists() else None}

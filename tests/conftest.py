@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from helpers import tiny_hf_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def smol_source():
+    """The bundled SmolLM2 (dequantised once into the batchgen cache)."""
+    from batchgen.models.loader import ensure_local, resolve_model
+
+    src = resolve_model("default")
+    ensure_local(src)
+    return src
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smol_source):
+    from batchgen.models.loader import load_tokenizer
+
+    return load_tokenizer(smol_source)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smol_tokenizer):
+    """A local HF folder (safetensors) of a tiny random Llama with SmolLM2's real tokenizer."""
+    d = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_hf_model("llama", vocab_size=len(smol_tokenizer), eos_token_id=2, max_position_embeddings=512)
+    model.save_pretrained(d)
+    smol_tokenizer.save_pretrained(d)
+    return d

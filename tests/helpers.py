@@ -1,0 +1,58 @@
+"""Helpers shared by the tests (importable: tests/ is on pytest's pythonpath)."""
+from __future__ import annotations
+
+
+def tiny_hf_model(family: str = "llama", vocab_size: int = 512, seed: int = 0, **overrides):
+    """A randomly initialised tiny decoder: Llama with GQA, or Qwen3 with q/k norm."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common.update(overrides)
+    if family == "llama":
+        cfg = LlamaConfig(**common)
+    elif family == "qwen3":
+        cfg = Qwen3Config(head_dim=16, **common)
+    else:
+        raise ValueError(family)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def write_prompts(path, n=20, id_prefix="r", extra=None, prompts=None):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    prompts = prompts or [f"Question {i}: say something about the number {i}." for i in range(n)]
+    cols = {"id": [f"{id_prefix}{i:04d}" for i in range(len(prompts))], "prompt": prompts}
+    cols.update(extra or {})
+    pq.write_table(pa.table(cols), path)
+    return path
+
+
+def write_job(tmp_path, model, input_path, out="out", **sections):
+    import yaml
+
+    job = {"model": str(model), "input": {"path": str(input_path), "prompt_column": "prompt", "id_column": "id"},
+           "output": {"path": str(tmp_path / out), "rows_per_part": 4},
+           "sampling": {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True},
+           "engine": {"kv_cache_gib": 0.05}}
+    for k, v in sections.items():
+        if isinstance(v, dict) and isinstance(job.get(k), dict):
+            job[k].update(v)
+        else:
+            job[k] = v
+    p = tmp_path / "job.yaml"
+    p.write_text(yaml.safe_dump(job))
+    return p
+
+
+def read_output(out_dir):
+    import glob
+
+    import polars as pl
+
+    files = sorted(glob.glob(f"{out_dir}/parts/*.parquet"))
+    return pl.concat([pl.read_parquet(f) for f in files]) if files else None

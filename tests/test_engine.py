@@ -1,0 +1,157 @@
+"""The engine on tiny random Llama (GQA) and Qwen3 (q/k norm) models against transformers."""
+import pytest
+import torch
+
+from batchgen.engine.request import SamplingParams
+from batchgen.llm import Engine, EngineConfig, GenerationRequest
+from helpers import tiny_hf_model
+
+FAMILIES = ["llama", "qwen3"]
+
+
+class IdTokenizer:
+    """Detokenizes ids as space-separated numbers, so stop strings can be tested exactly."""
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f" {i}" for i in ids)
+
+
+def prompts(seed=0, lengths=(5, 17, 33, 1, 64, 40, 16, 3)):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(model, ps, n_new):
+    out = []
+    for p in ps:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def engine(model, **kw):
+    cfg = dict(kv_cache_gib=0.02)
+    cfg.update(kw)
+    e = Engine(model, IdTokenizer(), EngineConfig(**cfg))
+    return e
+
+
+def run(e, ps, sp=None, ids=None):
+    sp = sp or SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    ids = ids or [str(i) for i in range(len(ps))]
+    results = list(e.generate(GenerationRequest(i, p, sp) for i, p in zip(ids, ps)))
+    return {(r.request_id, r.sample_index): r for r in results}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_model(request):
+    return request.param, tiny_hf_model(request.param)
+
+
+@pytest.fixture(scope="module")
+def reference(family_model):
+    _, model = family_model
+    ps = prompts()
+    return ps, hf_greedy(model, ps, 16)
+
+
+def _assert_match(res, ref):
+    for i, want in enumerate(ref):
+        assert res[(str(i), 0)].token_ids == want, f"prompt {i} diverged"
+
+
+@pytest.mark.parametrize("linear_path", ["plain", "onednn"])
+@pytest.mark.parametrize("decode_attention", ["exact", "batched"])
+def test_greedy_matches_transformers_batched(family_model, reference, linear_path, decode_attention):
+    _, model = family_model
+    ps, ref = reference
+    e = engine(model, linear_path=linear_path, decode_attention=decode_attention)
+    _assert_match(run(e, ps), ref)
+    e.kv_manager.pool.check_all_free()
+
+
+def test_greedy_matches_one_at_a_time(family_model, reference):
+    _, model = family_model
+    ps, ref = reference
+    e = engine(model, max_num_seqs=1)
+    _assert_match(run(e, ps), ref)
+
+
+def test_greedy_matches_with_small_prefill_chunks(family_model, reference):
+    _, model = family_model
+    ps, ref = reference
+    e = engine(model, max_num_batched_tokens=5)
+    _assert_match(run(e, ps), ref)
+    assert e.scheduler.stats.num_steps > len(ref) * 16 // 4
+
+
+def test_tiny_kv_budget_preempts_and_gives_identical_output(family_model, reference):
+    _, model = family_model
+    ps, ref = reference
+    # 12 blocks of 16 tokens: far less than the 8 prompts + 16 outputs want at once.
+    e = engine(model)
+    e = Engine(model, IdTokenizer(), EngineConfig(kv_cache_gib=12 * 16 * e.kv_bytes_per_token / 2**30))
+    assert e.num_blocks == 12
+    _assert_match(run(e, ps), ref)
+    assert e.scheduler.stats.num_preemptions > 0
+    e.kv_manager.pool.check_all_free()
+
+
+def test_prefix_cache_hits_give_identical_output(family_model):
+    _, model = family_model
+    shared = prompts(seed=1, lengths=(40,))[0]
+    ps = [shared + tail for tail in prompts(seed=2, lengths=(3, 7, 1, 12))]
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    on = engine(model, prefix_caching=True, max_num_seqs=1)
+    off = engine(model, prefix_caching=False, max_num_seqs=1)
+    r_on, r_off = run(on, ps, sp), run(off, ps, sp)
+    assert {k: v.token_ids for k, v in r_on.items()} == {k: v.token_ids for k, v in r_off.items()}
+    assert sum(r.cached_tokens for r in r_on.values()) >= 3 * 32, "later prompts reuse the shared 40-token prefix"
+    assert sum(r.cached_tokens for r in r_off.values()) == 0
+    on.kv_manager.pool.check_all_free()
+
+
+def test_seeded_sampling_is_identical_in_different_batch_mixes(family_model):
+    _, model = family_model
+    ps = prompts(seed=3)
+    sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = run(engine(model, max_num_seqs=1), ps[:1], sp)
+    others = [(p, SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True)) for p in ps[1:]]
+    e = engine(model, max_num_batched_tokens=9)
+    mixed = {(r.request_id, r.sample_index): r for r in e.generate(
+        [GenerationRequest(f"x{i}", p, s) for i, (p, s) in enumerate(others[:3])] + [GenerationRequest("0", ps[0], sp)]
+        + [GenerationRequest(f"y{i}", p, s) for i, (p, s) in enumerate(others[3:])])}
+    assert mixed[("0", 0)].token_ids == alone[("0", 0)].token_ids
+    unseeded = run(engine(model, seed=99), ps[:1], SamplingParams(max_tokens=12, temperature=5.0, ignore_eos=True))
+    assert unseeded[("0", 0)].token_ids != alone[("0", 0)].token_ids
+
+
+def test_n_samples_each_differ_and_stop_strings_cut_text(family_model):
+    _, model = family_model
+    ps = prompts(seed=4, lengths=(10,))
+    res = run(engine(model), ps, SamplingParams(max_tokens=10, temperature=1.5, seed=5, n=3, ignore_eos=True))
+    samples = [res[("0", k)].token_ids for k in range(3)]
+    assert len(samples) == 3 and len({tuple(s) for s in samples}) > 1
+    greedy = run(engine(model), ps, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[("0", 0)]
+    # A stop string spanning tokens 3 and 4 of the greedy output.
+    stop = f"{greedy.token_ids[2]} {greedy.token_ids[3]}"
+    cut = run(engine(model), ps, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop=(stop,)))[("0", 0)]
+    assert cut.finish_reason == "stop"
+    assert cut.text == "".join(f" {t}" for t in greedy.token_ids[:2]) + " "
+    assert len(cut.token_ids) == 4
+
+
+def test_logprobs_are_returned_for_the_chosen_token(family_model):
+    _, model = family_model
+    res = run(engine(model), prompts(seed=5, lengths=(6,)),
+              SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=5))[("0", 0)]
+    assert len(res.logprobs) == 4
+    for tok, (lp, top) in zip(res.token_ids, res.logprobs):
+        assert len(top) == 5 and tok in top and lp == pytest.approx(max(top.values()))
+
+
+def test_ttft_and_itl_are_measured(family_model):
+    _, model = family_model
+    r = run(engine(model), prompts(seed=6, lengths=(8,)))[("0", 0)]
+    assert r.ttft_s is not None and r.ttft_s > 0 and r.itl_s is not None and r.itl_s > 0

@@ -1,0 +1,214 @@
+"""The job pipeline through the CLI on a tiny local HF model folder."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from batchgen.cli import app
+from batchgen.errors import LockedError
+from batchgen.io.store import OutputStore
+from helpers import read_output, write_job, write_prompts
+
+runner = CliRunner()
+
+
+def cli(*args):
+    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture
+def job(tmp_path, tiny_model_dir):
+    inp = write_prompts(tmp_path / "in.parquet", n=10, extra={"topic": [f"t{i % 3}" for i in range(10)]})
+    return write_job(tmp_path, tiny_model_dir, inp, input={"passthrough_columns": ["topic"]})
+
+
+def test_run_writes_every_id_once_with_all_columns(job, tmp_path):
+    r = cli("run", job)
+    assert r.exit_code == 0, r.output
+    df = read_output(tmp_path / "out")
+    assert sorted(df["id"].to_list()) == [f"r{i:04d}" for i in range(10)]
+    assert df.columns == ["id", "topic", "text", "finish_reason", "error", "prompt_tokens", "completion_tokens",
+                          "ttft_s", "itl_s"]
+    assert set(df["finish_reason"]) == {"length"} and set(df["completion_tokens"]) == {6}
+    assert df.filter(df["id"] == "r0004")["topic"].item() == "t1"
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["rows_ok"] == 10 and summary["completion_tokens"] == 60
+    assert summary["engine"]["num_kv_blocks"] > 0 and summary["ttft_s"]["p50"] > 0
+    assert len(list((tmp_path / "out" / "parts").glob("*.parquet"))) == 3  # rows_per_part 4
+
+
+def test_rerun_is_a_noop_and_status_counts(job, tmp_path):
+    assert cli("run", job).exit_code == 0
+    parts = sorted((tmp_path / "out" / "parts").iterdir())
+    r = cli("run", job)
+    assert r.exit_code == 0 and "already complete" in r.output
+    assert sorted((tmp_path / "out" / "parts").iterdir()) == parts
+    s = cli("status", job)
+    assert "in: 10/10" in s.output and "total: 10/10" in s.output
+
+
+def test_limit_then_resume_runs_only_the_rest(job, tmp_path):
+    assert cli("run", job, "--limit", 3).exit_code == 0
+    assert len(read_output(tmp_path / "out")) == 3
+    assert "total: 3/10" in cli("status", job).output
+    r = cli("run", job)
+    assert "7 ok" in r.output
+    df = read_output(tmp_path / "out")
+    assert sorted(df["id"].to_list()) == [f"r{i:04d}" for i in range(10)]
+
+
+def test_changed_fingerprint_is_refused_unless_restart(job, tmp_path):
+    assert cli("run", job, "--limit", 2).exit_code == 0
+    r = runner.invoke(app, ["run", str(job), "--set", "sampling.max_tokens=3"])
+    assert r.exit_code == 1 and "different job (changed: sampling)" in r.output
+    r = cli("run", job, "--set", "sampling.max_tokens=3", "--restart")
+    assert r.exit_code == 0
+    df = read_output(tmp_path / "out")
+    assert len(df) == 10 and set(df["completion_tokens"]) == {3}
+
+
+def test_bad_rows_become_error_rows_and_the_job_goes_on(tmp_path, tiny_model_dir):
+    inp = write_prompts(tmp_path / "in.parquet", prompts=["fine prompt", None, "", "also fine", "word " * 600])
+    job = write_job(tmp_path, tiny_model_dir, inp)
+    r = cli("run", job)
+    assert r.exit_code == 0, r.output
+    df = read_output(tmp_path / "out").sort("id")
+    errors = dict(zip(df["id"], df["error"]))
+    assert errors["r0000"] is None and errors["r0003"] is None
+    assert "prompt is null" in errors["r0001"] and "prompt is empty" in errors["r0002"]
+    assert "tokens; the context holds 512" in errors["r0004"]
+    assert df.filter(df["id"] == "r0001")["finish_reason"].item() == "error"
+
+
+def test_on_too_long_fail_names_the_row_before_loading(tmp_path, tiny_model_dir):
+    inp = write_prompts(tmp_path / "in.parquet", prompts=["ok", "word " * 600])
+    job = write_job(tmp_path, tiny_model_dir, inp, on_too_long="fail")
+    r = runner.invoke(app, ["run", str(job)])
+    assert r.exit_code == 1 and "row 1 (id 'r0001')" in r.output and "on_too_long: fail" in r.output
+
+
+def test_truncate_left_keeps_the_end_of_the_prompt(tmp_path, tiny_model_dir):
+    inp = write_prompts(tmp_path / "in.parquet", prompts=["word " * 600])
+    job = write_job(tmp_path, tiny_model_dir, inp, on_too_long="truncate_left")
+    assert cli("run", job).exit_code == 0
+    row = read_output(tmp_path / "out").row(0, named=True)
+    assert row["error"] is None and row["prompt_tokens"] + 6 <= 512
+
+
+def test_validate_reports_without_generating(job, tmp_path):
+    r = cli("validate", job)
+    assert r.exit_code == 0 and "ok: 10 rows in 1 shard(s)" in r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_input_exits_1_with_a_clear_message(tmp_path, tiny_model_dir):
+    job = write_job(tmp_path, tiny_model_dir, tmp_path / "missing.parquet")
+    r = runner.invoke(app, ["run", str(job)])
+    assert r.exit_code == 1 and "missing.parquet' not found" in r.output
+
+
+def test_per_row_max_tokens_and_n_samples(tmp_path, tiny_model_dir):
+    inp = write_prompts(tmp_path / "in.parquet", n=3, extra={"mt": [1, None, 4]})
+    job = write_job(tmp_path, tiny_model_dir, inp, input={"sampling_columns": {"max_tokens": "mt"}},
+                    sampling={"n": 2, "temperature": 1.0, "seed": 7})
+    assert cli("run", job).exit_code == 0
+    df = read_output(tmp_path / "out").sort(["id", "sample_index"])
+    assert df["sample_index"].to_list() == [0, 1] * 3
+    assert df["completion_tokens"].to_list() == [1, 1, 6, 6, 4, 4]
+
+
+def test_order_input_compacts_parts_in_input_order(tmp_path, tiny_model_dir):
+    prompts = ["x " * (30 - i) for i in range(9)]  # longest first: length sorting reverses the order
+    inp = write_prompts(tmp_path / "in.parquet", prompts=prompts)
+    job = write_job(tmp_path, tiny_model_dir, inp, output={"order": "input"})
+    assert cli("run", job).exit_code == 0
+    files = sorted((tmp_path / "out" / "parts").iterdir())
+    assert [f.name for f in files] == ["final-000001.parquet", "final-000002.parquet", "final-000003.parquet"]
+    assert read_output(tmp_path / "out")["id"].to_list() == [f"r{i:04d}" for i in range(9)]
+    assert "total: 9/9" in cli("status", job).output
+    assert "already complete" in cli("run", job).output
+
+
+def test_second_concurrent_run_is_refused(tmp_path):
+    a, b = OutputStore(tmp_path / "o"), OutputStore(tmp_path / "o")
+    a.acquire_lock()
+    with pytest.raises(LockedError, match="another batchgen run"):
+        b.acquire_lock()
+    a.release_lock()
+    b.acquire_lock()
+    b.release_lock()
+
+
+def test_orphan_part_without_ledger_entry_is_removed(tmp_path):
+    store = OutputStore(tmp_path / "o")
+    store.open({"f": 1}, restart=False)
+    store.commit(pa.table({"id": ["a"]}), ["a"])
+    orphan = store.parts / "part-000002.parquet"
+    pq.write_table(pa.table({"id": ["b"]}), orphan)
+    done = OutputStore(tmp_path / "o").open({"f": 1}, restart=False)
+    assert done == {"a"} and not orphan.exists()
+
+
+def _ledger_count(out: Path) -> int:
+    return len(list((out / "_ledger").glob("part-*.json"))) if (out / "_ledger").exists() else 0
+
+
+@pytest.mark.parametrize("kill_after_parts", [0, 2, 5])
+def test_kill_9_then_resume_gives_exactly_once_output(tmp_path, tiny_model_dir, kill_after_parts):
+    n = 60
+    inp = write_prompts(tmp_path / "in.parquet", n=n)
+    job = write_job(tmp_path, tiny_model_dir, inp, output={"rows_per_part": 3},
+                    sampling={"max_tokens": 24}, engine={"max_num_seqs": 2})
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "batchgen", "run", str(job)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    if kill_after_parts == 0:
+        for line in proc.stderr:  # mid-generation, before any part is written
+            if "model loaded" in line:
+                break
+    else:
+        while _ledger_count(out) < kill_after_parts and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = sum(len(json.loads(p.read_text())["ids"]) for p in (out / "_ledger").glob("part-*.json"))
+    assert done_before < n, "the job finished before it could be killed; the test needs a slower job"
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    df = read_output(out)
+    ids = df["id"].to_list()
+    assert sorted(ids) == [f"r{i:04d}" for i in range(n)] and len(ids) == len(set(ids))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rows_ok"] == n - done_before, "only the work not yet committed is redone"
+
+
+def test_sigterm_flushes_finished_rows_and_exits_75(tmp_path, tiny_model_dir):
+    n = 60
+    inp = write_prompts(tmp_path / "in.parquet", n=n)
+    job = write_job(tmp_path, tiny_model_dir, inp, output={"rows_per_part": 1000},
+                    sampling={"max_tokens": 24}, engine={"max_num_seqs": 2})
+    cmd = [sys.executable, "-m", "batchgen", "run", str(job)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        if "model loaded" in line:
+            break
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 75, rest
+    done = read_output(tmp_path / "out")
+    assert done is not None and 0 < len(done) < n, "finished rows were committed before exiting"
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0
+    ids = read_output(tmp_path / "out")["id"].to_list()
+    assert sorted(ids) == [f"r{i:04d}" for i in range(n)]

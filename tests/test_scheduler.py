@@ -1,0 +1,165 @@
+"""Scheduler and KV bookkeeping with hand-built runner outputs: no model, no torch."""
+import subprocess
+import sys
+
+import pytest
+
+from batchgen.engine.kv_manager import KVCacheManager
+from batchgen.engine.outputs import RunnerOutput, SampledToken
+from batchgen.engine.request import Request, RequestStatus, SamplingParams
+from batchgen.engine.scheduler import Scheduler, SchedulerConfig
+
+EOS = 2
+
+
+def make(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_budget=64, caching=False, max_model_len=1024):
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+    return Scheduler(SchedulerConfig(max_num_seqs, max_tokens_budget, max_model_len), kv)
+
+
+def req(rid, n_prompt, max_tokens=4, first=10, **kw):
+    return Request(rid, list(range(first, first + n_prompt)), SamplingParams(max_tokens=max_tokens, temperature=0, **kw),
+                   eos_token_ids=(EOS,))
+
+
+def step(s: Scheduler, token=7, tokens=None):
+    """One step with a fake runner that samples `token` (or tokens[req_id]) for each sampled seq."""
+    out = s.schedule()
+    sampled = {q.request_id: SampledToken((tokens or {}).get(q.request_id, token)) for q in out.seqs if q.sample}
+    s.update(out, RunnerOutput(sampled))
+    return out
+
+
+def run_all(s: Scheduler, limit=1000):
+    for _ in range(limit):
+        if not s.has_unfinished():
+            return
+        step(s)
+    raise AssertionError("scheduler did not finish: deadlock or starvation")
+
+
+def test_engine_core_imports_no_torch():
+    code = ("import sys; import batchgen.engine.scheduler, batchgen.engine.kv_manager, batchgen.engine.block_pool;"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_admission_respects_max_num_seqs_and_budget():
+    s = make(max_num_seqs=2, max_tokens_budget=100)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 10))
+    out = s.schedule()
+    assert [q.request_id for q in out.seqs] == ["r0", "r1"]
+    assert out.num_tokens == 20 and len(s.waiting) == 1
+
+
+def test_token_budget_chunks_a_long_prefill():
+    s = make(max_tokens_budget=8)
+    s.add_request(req("long", 20, max_tokens=2))
+    chunks = []
+    while s.requests["long"].num_output_tokens == 0:
+        out = step(s)
+        chunks.append((out.seqs[0].start_pos, len(out.seqs[0].token_ids), out.seqs[0].sample))
+    assert chunks == [(0, 8, False), (8, 8, False), (16, 4, True)]
+
+
+def test_decodes_go_first_and_prefill_shares_the_step():
+    s = make(max_tokens_budget=6)
+    s.add_request(req("a", 3, max_tokens=10))
+    step(s)  # a is prefilled, now decoding
+    s.add_request(req("b", 12, max_tokens=2))
+    out = step(s)
+    assert [(q.request_id, len(q.token_ids)) for q in out.seqs] == [("a", 1), ("b", 5)]
+    assert out.num_tokens <= 6
+
+
+def test_finishing_on_eos_max_tokens_and_stop_token_ids():
+    s = make()
+    s.add_request(req("eos", 3, max_tokens=10))
+    s.add_request(req("len", 3, max_tokens=2))
+    s.add_request(req("stopid", 3, max_tokens=10, stop_token_ids=(99,)))
+    s.add_request(req("ignore", 3, max_tokens=3, ignore_eos=True))
+    step(s, tokens={"eos": EOS, "len": 5, "stopid": 99, "ignore": EOS})
+    assert s.requests["eos"].finish_reason == "stop"
+    assert s.requests["stopid"].finish_reason == "stop"
+    assert not s.requests["len"].is_finished and not s.requests["ignore"].is_finished
+    run_all(s)
+    assert s.requests["len"].finish_reason == "length" and s.requests["len"].output_token_ids == [5, 7]
+    assert s.requests["ignore"].output_token_ids == [EOS, 7, 7]
+    s.kv.pool.check_all_free()
+
+
+def test_preemption_frees_the_newest_and_recomputes_it():
+    # 6 blocks of 4 tokens: two requests of 8 prompt + 8 output tokens need 8 blocks.
+    s = make(num_blocks=6, block_size=4)
+    s.add_request(req("old", 8, max_tokens=8))
+    s.add_request(req("new", 8, max_tokens=8))
+    run_all(s)
+    old, new = s.requests["old"], s.requests["new"]
+    assert s.stats.num_preemptions >= 1 and new.num_preemptions >= 1 and old.num_preemptions == 0
+    assert old.output_token_ids == [7] * 8 and new.output_token_ids == [7] * 8
+    s.kv.pool.check_all_free()
+
+
+def test_recompute_after_preemption_replays_prompt_and_outputs():
+    s = make(num_blocks=6, block_size=4)
+    s.add_request(req("old", 8, max_tokens=8))
+    s.add_request(req("new", 8, max_tokens=8))
+    seen = []
+    for _ in range(100):
+        if not s.has_unfinished():
+            break
+        out = step(s)
+        seen += [(q.request_id, q.start_pos, len(q.token_ids)) for q in out.seqs if q.request_id == "new"]
+    restarts = [x for x in seen[1:] if x[1] == 0]
+    assert restarts, "the preempted request starts over from position 0"
+    assert restarts[0][2] > 8, "its recompute covers the prompt and the tokens it had generated"
+
+
+def test_request_that_can_never_fit_ends_with_an_error():
+    s = make(num_blocks=4, block_size=4)
+    s.add_request(req("huge", 10, max_tokens=10))  # 20 tokens need 5 blocks > 4
+    s.add_request(req("ok", 4, max_tokens=2))
+    out = step(s)
+    huge = s.requests["huge"]
+    assert huge.finish_reason == "error" and "KV blocks" in huge.error
+    assert "huge" in out.rejected
+    run_all(s)
+    assert s.requests["ok"].finish_reason == "length"
+
+
+def test_over_context_length_is_an_error_not_a_hang():
+    s = make(max_model_len=16)
+    s.add_request(req("long", 12, max_tokens=8))
+    run_all(s)
+    assert s.requests["long"].finish_reason == "error" and "max length" in s.requests["long"].error
+
+
+def test_prefix_cache_reuses_full_blocks_and_refcounts_return_to_zero():
+    s = make(block_size=4, caching=True)
+    s.add_request(req("a", 13, max_tokens=2))
+    run_all(s)
+    s.add_request(req("b", 13, max_tokens=2))
+    out = s.schedule()
+    (b,) = out.seqs
+    assert b.start_pos == 12 and len(b.token_ids) == 1, "12 tokens = 3 full blocks come from the cache"
+    assert s.requests["b"].num_cached_tokens == 12
+    s.update(out, RunnerOutput({"b": SampledToken(7)}))
+    run_all(s)
+    s.kv.pool.check_all_free()
+    assert s.kv.prefix_hit_rate() > 0
+
+
+def test_no_starvation_under_constant_pressure():
+    s = make(num_blocks=10, block_size=4, max_num_seqs=4, max_tokens_budget=16)
+    for i in range(12):
+        s.add_request(req(f"r{i}", 6 + i % 5, max_tokens=5 + i % 3))
+    run_all(s, limit=2000)
+    assert all(r.status == RequestStatus.FINISHED and r.finish_reason == "length" for r in s.requests.values())
+    s.kv.pool.check_all_free()
+
+
+@pytest.mark.parametrize("bad", [dict(max_num_seqs=0), dict(max_num_batched_tokens=0)])
+def test_config_rejects_non_positive_limits(bad):
+    with pytest.raises(ValueError):
+        SchedulerConfig(**bad)

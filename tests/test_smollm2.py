@@ -1,0 +1,95 @@
+"""End-to-end on the real SmolLM2-135M-Instruct (the bundled default model)."""
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from batchgen.cli import app
+from batchgen.engine.request import SamplingParams
+from batchgen.llm import Engine, EngineConfig, GenerationRequest
+from batchgen.workload import sample_sharegpt
+from conftest import REPO
+from helpers import read_output
+
+N_PROMPTS, N_NEW, TOP = 20, 32, 5
+
+
+def test_example_job_answers_paris(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    r = CliRunner().invoke(app, ["run", "jobs/example.yaml", "--set", f"output.path={tmp_path / 'out'}"],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    df = read_output(tmp_path / "out")
+    assert len(df) == 16
+    answer = df.filter(df["id"] == "q000")["text"].item()
+    assert "Paris" in answer, answer
+
+
+@pytest.fixture(scope="module")
+def hf_model(smol_source):
+    from batchgen.models.loader import load_hf_model
+
+    return load_hf_model(smol_source)
+
+
+@pytest.fixture(scope="module")
+def workload(smol_tokenizer):
+    return [w.prompt_token_ids for w in sample_sharegpt(smol_tokenizer, N_PROMPTS, output_cap=N_NEW)]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, workload):
+    """transformers' greedy generate, one prompt at a time, with its top-5 logprobs."""
+    out = []
+    for p in workload:
+        g = hf_model.generate(torch.tensor([p]), max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False,
+                              output_scores=True, return_dict_in_generate=True, pad_token_id=2)
+        toks = g.sequences[0, len(p):].tolist()
+        tops = []
+        for s in g.scores:
+            v, i = torch.log_softmax(s[0].float(), -1).topk(TOP)
+            tops.append(dict(zip(i.tolist(), v.tolist())))
+        out.append((toks, tops))
+    return out
+
+
+def generate(hf_model, tokenizer, workload, **cfg):
+    e = Engine(hf_model, tokenizer, EngineConfig(kv_cache_gib=0.5, **cfg))
+    sp = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True, logprobs=TOP)
+    res = {r.request_id: r for r in e.generate(GenerationRequest(str(i), p, sp) for i, p in enumerate(workload))}
+    e.kv_manager.pool.check_all_free()
+    return [(res[str(i)].token_ids, [top for _, top in res[str(i)].logprobs]) for i in range(len(workload))]
+
+
+@pytest.mark.parametrize("case", ["one_at_a_time", "batched", "small_chunks"])
+def test_plain_fp32_path_matches_transformers_exactly(hf_model, smol_tokenizer, workload, reference, case):
+    cfg = {"one_at_a_time": dict(max_num_seqs=1), "batched": dict(), "small_chunks": dict(max_num_batched_tokens=24)}
+    ours = generate(hf_model, smol_tokenizer, workload, linear_path="plain", decode_attention="exact", **cfg[case])
+    mismatched = [i for i, ((a, _), (b, _)) in enumerate(zip(ours, reference)) if a != b]
+    assert not mismatched, f"prompts {mismatched} diverged from transformers"
+
+
+def check_logprobs_close(ours, ref) -> int:
+    """vLLM's rule: sequences may diverge only where each side's token is in the other's top-k;
+    after the first divergence the rest is not compared. Returns how many matched exactly."""
+    exact = 0
+    for k, ((a, a_top), (b, b_top)) in enumerate(zip(ours, ref)):
+        for pos, (ta, tb) in enumerate(zip(a, b)):
+            if ta != tb:
+                assert ta in b_top[pos] and tb in a_top[pos], (
+                    f"prompt {k} position {pos}: ours {ta} not in reference top-{TOP} or vice versa")
+                break
+        else:
+            exact += 1
+    return exact
+
+
+@pytest.mark.parametrize("path", [dict(dtype="float32", linear_path="onednn", decode_attention="batched"),
+                                  dict(dtype="bfloat16", linear_path="onednn", decode_attention="batched")],
+                         ids=["fp32-onednn", "bf16-onednn"])
+def test_fast_paths_are_close_to_transformers(hf_model, smol_tokenizer, workload, reference, path, record_property):
+    ours = generate(hf_model, smol_tokenizer, workload, **path)
+    exact = check_logprobs_close(ours, reference)
+    record_property("exact_match", f"{exact}/{len(workload)}")
+    print(f"\n{path}: {exact}/{len(workload)} prompts matched transformers exactly")
+    if path["dtype"] == "float32":
+        assert exact == len(workload)
