@@ -112,6 +112,31 @@ def status(job: Path = JOB_ARG, set_: Optional[List[str]] = SET_OPT,
 
 
 @app.command()
+def bench(num_prompts: int = typer.Option(256, "--num-prompts", min=1, help="ShareGPT requests in the workload"),
+          output_cap: int = typer.Option(256, "--output-cap", min=1, help="Cap on each request's output tokens"),
+          dtypes: str = typer.Option("float32,bfloat16", "--dtype", help="Comma-separated dtypes to run batchgen in"),
+          peers: str = typer.Option("hf-cb,hf-generate", "--peers", help="Comma-separated peers: hf-cb, hf-generate; '' for none"),
+          peer_num_prompts: int = typer.Option(64, "--peer-num-prompts", min=0,
+                                               help="Requests the (slow) peers run; 0 for the whole workload"),
+          model: str = typer.Option("default", "--model", help="Model: default, HF folder or .gguf"),
+          max_num_seqs: int = typer.Option(256, "--max-num-seqs", min=1),
+          max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", min=1),
+          json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report as JSON here")) -> None:
+    """Throughput on a ShareGPT workload (sampled as vLLM's benchmark_throughput), side by side with
+    transformers' peers, with this CPU's GEMM ceiling and the ratios."""
+    _setup_logging()
+    from .bench import format_report, run_bench
+
+    report = run_bench(num_prompts, output_cap, [d for d in dtypes.split(",") if d],
+                       [p for p in peers.split(",") if p], peer_num_prompts or None, model,
+                       {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens})
+    typer.echo(format_report(report))
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(report, indent=1))
+
+
+@app.command()
 def schema(out_dir: Path = typer.Option(Path("schemas"), "--out", help="Folder for the JSON schema files")) -> None:
     """Regenerate schemas/job.schema.json from the job spec model."""
     from .config import job_json_schema

@@ -24,10 +24,24 @@ class PrefillSeq:
 
 
 @dataclass
+class DecodeBucket:
+    """Decodes of similar context length, run as one padded, masked SDPA."""
+
+    # Range of decode tokens (and sequences) [start, end) in the batch.
+    start: int
+    end: int
+    # [end - start, width] block ids; padding entries point at block 0 and are masked.
+    block_tables: torch.Tensor
+    # [end - start, 1, 1, width * block_size] True where a key position is in the context.
+    mask: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
-    # The first num_decodes tokens of the batch are decodes, one per sequence.
+    # The first num_decodes tokens of the batch are decodes, one per sequence, sorted by
+    # context length so that buckets of similar length are contiguous.
     num_decodes: int
-    # [num_decodes, max_blocks] block ids (padding entries point at block 0 and are masked).
+    # [num_decodes, max_blocks] block ids (padding entries point at block 0).
     decode_block_tables: torch.Tensor | None
     # [num_decodes] context length including the new token.
     decode_context_lens: torch.Tensor | None
@@ -35,11 +49,23 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     # [num_tokens] flat slot (block_id * block_size + offset) of each new token.
     slot_mapping: torch.Tensor
-    # "batched": pad decodes to the longest context and run one masked SDPA;
+    # "batched": one masked SDPA per bucket of similar context lengths;
     # "exact": one unpadded SDPA per sequence, bit-identical to transformers' batch-1 path.
     decode_mode: str = "batched"
-    # [num_decodes, 1, 1, L] validity mask for batched decode, built once per step.
-    decode_mask: torch.Tensor | None = None
+    decode_buckets: list[DecodeBucket] | None = None
+
+
+def decode_buckets(context_blocks: list[int], max_ratio: float = 1.3) -> list[tuple[int, int]]:
+    """Split decodes sorted by context length (in blocks) into contiguous ranges whose longest
+    is at most max_ratio x (+1 block) their shortest, bounding padding work to ~30%.
+    Padding every decode to the batch's longest context cost 5x the real KV traffic."""
+    out = []
+    start = 0
+    for i in range(1, len(context_blocks) + 1):
+        if i == len(context_blocks) or context_blocks[i] > max_ratio * context_blocks[start] + 1:
+            out.append((start, i))
+            start = i
+    return out
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -69,7 +95,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                 out[i] = _sdpa_one(q[i : i + 1], gather_context(k_cache, meta.decode_block_tables[i], ctx),
                                    gather_context(v_cache, meta.decode_block_tables[i], ctx), scale, causal=False)[0]
         else:
-            out[:nd] = _decode_batched(q[:nd], k_cache, v_cache, meta, scale)
+            for b in meta.decode_buckets:
+                out[b.start : b.end] = _decode_batched(q[b.start : b.end], k_cache, v_cache, b, scale)
     for p in meta.prefills:
         qs = q[p.tok_start : p.tok_end]
         if p.start_pos == 0:
@@ -100,17 +127,17 @@ def _sdpa_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, 
     return o[0].transpose(0, 1)
 
 
-def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: DecodeBucket,
                     scale: float) -> torch.Tensor:
-    """All decodes at once. The query heads of one KV head are laid out as a query length of
-    `group`, so GQA reads each K/V once and needs no repeat."""
+    """One bucket of decodes at once. The query heads of one KV head are laid out as a query
+    length of `group`, so GQA reads each K/V once and needs no repeat."""
     nd, nh, d = q.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     group = nh // kvh
-    tables = meta.decode_block_tables
+    tables = bucket.block_tables
     L = tables.shape[1] * bs
     ks = k_cache[tables].view(nd, L, kvh, d).transpose(1, 2)  # [nd, kvh, L, d]
     vs = v_cache[tables].view(nd, L, kvh, d).transpose(1, 2)
     qg = q.view(nd, kvh, group, d)  # [nd, kvh, group, d]
-    o = F.scaled_dot_product_attention(qg, ks.to(q.dtype), vs.to(q.dtype), attn_mask=meta.decode_mask, scale=scale)
+    o = F.scaled_dot_product_attention(qg, ks.to(q.dtype), vs.to(q.dtype), attn_mask=bucket.mask, scale=scale)
     return o.reshape(nd, nh, d)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.outputs import RunnerOutput, ScheduledSeq
-from .attention import AttentionMetadata, PrefillSeq
+from .attention import AttentionMetadata, DecodeBucket, PrefillSeq, decode_buckets
 from .model import CausalLM
 from .sampler import Sampler
 
@@ -33,8 +33,8 @@ class ModelRunner:
     def execute(self, seqs: list[ScheduledSeq]) -> RunnerOutput:
         if not seqs:
             return RunnerOutput()
-        # Decodes first, so attention can treat them as one block of the batch.
-        ordered = sorted(seqs, key=lambda s: len(s.token_ids) > 1)
+        # Decodes first, by context length, so attention can run them in contiguous buckets.
+        ordered = sorted(seqs, key=lambda s: (len(s.token_ids) > 1, s.start_pos if len(s.token_ids) == 1 else 0))
         input_ids, positions, slots, meta, sample_rows = self._prepare(ordered)
         sampled_seqs = [ordered[i] for i in sample_rows[1]]
         if not sampled_seqs:
@@ -78,7 +78,17 @@ class ModelRunner:
             meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
             meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long)
             if self.decode_mode == "batched":
-                L = width * bs
-                meta.decode_mask = (torch.arange(L)[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+                meta.decode_buckets = self._buckets(meta.decode_block_tables, meta.decode_context_lens)
         return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), slots, meta,
                 (torch.tensor(sample_idx, dtype=torch.long), sample_seq))
+
+    def _buckets(self, tables: torch.Tensor, context_lens: torch.Tensor) -> list[DecodeBucket]:
+        bs = self.kv.block_size
+        blocks = ((context_lens + bs - 1) // bs).tolist()
+        out = []
+        for start, end in decode_buckets(blocks):
+            width = max(blocks[start:end])
+            lens = context_lens[start:end]
+            mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :]
+            out.append(DecodeBucket(start, end, tables[start:end, :width].contiguous(), mask))
+        return out

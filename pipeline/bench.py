@@ -1,0 +1,227 @@
+"""`batchgen bench`: throughput on a ShareGPT workload, side by side with transformers' peers in
+the same run, plus this machine's GEMM ceiling for the model.
+
+Peers are slow (transformers' padded generate ran ~20-80 output tok/s here), so by default they
+run on the first --peer-num-prompts requests of the same workload; their tok/s are comparable
+rates, and the report says how many requests each run used.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .metrics import latency_summary, peak_rss_bytes
+from .workload import WorkloadItem, sample_sharegpt
+
+log = logging.getLogger("batchgen")
+
+
+@dataclass
+class BenchResult:
+    name: str
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    wall_s: float
+    extra: dict
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def total_tps(self) -> float:
+        return (self.output_tokens + self.prompt_tokens) / self.wall_s
+
+    def row(self) -> dict:
+        return {"name": self.name, "requests": self.num_requests, "prompt_tokens": self.prompt_tokens,
+                "output_tokens": self.output_tokens, "wall_s": round(self.wall_s, 2),
+                "output_tok_s": round(self.output_tps, 1), "total_tok_s": round(self.total_tps, 1), **self.extra}
+
+
+def run_batchgen(hf_model, tokenizer, items: list[WorkloadItem], dtype: str, identity: str, **engine_kw) -> BenchResult:
+    from .engine.request import SamplingParams
+    from .llm import Engine, EngineConfig, GenerationRequest
+
+    cfg = EngineConfig(dtype=dtype, max_seq_tokens=max(len(w.prompt_token_ids) + w.output_len for w in items),
+                       **engine_kw)
+    engine = Engine(hf_model, tokenizer, cfg, model_identity=identity)
+    reqs = [GenerationRequest(str(i), w.prompt_token_ids, SamplingParams(max_tokens=w.output_len, temperature=0,
+                                                                          ignore_eos=True))
+            for i, w in enumerate(items)]
+    t0 = time.perf_counter()
+    results = list(engine.generate(reqs))
+    wall = time.perf_counter() - t0
+    out = sum(r.completion_tokens for r in results)
+    c = engine.counters()
+    extra = {"dtype": dtype, "ttft_s": latency_summary([r.ttft_s for r in results if r.ttft_s is not None]),
+             "itl_s": latency_summary([r.itl_s for r in results if r.itl_s is not None]),
+             "kv_cache_gib": round(c["kv_cache_bytes"] / 2**30, 3), "num_kv_blocks": c["num_kv_blocks"],
+             "peak_kv_blocks": c["peak_kv_blocks"], "preemptions": c["preemptions"], "steps": c["steps"],
+             "peak_running": c["peak_running"], "linear_path": c["linear_path"]}
+    del engine
+    return BenchResult(f"batchgen {dtype}", len(items), sum(len(w.prompt_token_ids) for w in items), out, wall, extra)
+
+
+def run_hf_generate(hf_model, tokenizer, items: list[WorkloadItem], batch_size: int = 32) -> BenchResult:
+    """transformers' generate, left-padded batches in dataset order; useful tokens only."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    t0 = time.perf_counter()
+    for s in range(0, len(items), batch_size):
+        batch = items[s : s + batch_size]
+        width = max(len(w.prompt_token_ids) for w in batch)
+        ids = torch.tensor([[pad] * (width - len(w.prompt_token_ids)) + w.prompt_token_ids for w in batch])
+        mask = torch.tensor([[0] * (width - len(w.prompt_token_ids)) + [1] * len(w.prompt_token_ids) for w in batch])
+        n = max(w.output_len for w in batch)
+        with torch.inference_mode():
+            hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              pad_token_id=pad)
+    wall = time.perf_counter() - t0
+    return BenchResult(f"transformers generate (padded, batch {batch_size})", len(items),
+                       sum(len(w.prompt_token_ids) for w in items), sum(w.output_len for w in items), wall, {})
+
+
+def run_hf_continuous(hf_model, items: list[WorkloadItem], max_requests: int = 16, max_batch_tokens: int = 512) -> BenchResult:
+    """transformers' continuous batching manager (what generate_batch wraps), per-request lengths."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(w.output_len for w in items), pad_token_id=0)
+    cb = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens, max_requests_per_batch=max_requests)
+    manager = hf_model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    manager.start()
+    t0 = time.perf_counter()
+    try:
+        for i, w in enumerate(items):
+            manager.add_request(w.prompt_token_ids, request_id=str(i), max_new_tokens=w.output_len, eos_token_id=-1)
+        out, got = 0, 0
+        while got < len(items):
+            r = manager.get_result(timeout=600)
+            if r is None:
+                raise RuntimeError("transformers' manager returned no result within 600 s")
+            if getattr(r, "error", None):
+                raise RuntimeError(f"transformers' manager failed request {r.request_id}: {r.error}")
+            got += 1
+            out += len(r.generated_tokens)
+    finally:
+        manager.stop(block=True)
+    wall = time.perf_counter() - t0
+    return BenchResult(f"transformers continuous batching ({max_requests} req, {max_batch_tokens} tok)", len(items),
+                       sum(len(w.prompt_token_ids) for w in items), out, wall, {})
+
+
+def gemm_ceiling(shape, items: list[WorkloadItem], batch: int = 256) -> dict:
+    """Measured GEMM FLOP/s at the model's shapes (fp32 and bf16, F.linear and oneDNN), and the
+    output tok/s this workload would reach if it ran at the fastest path's rate."""
+    from .runner.linear import Linear, onednn_available
+
+    h, q = shape.hidden_size, shape.num_heads * shape.head_dim
+    kv = 2 * shape.num_kv_heads * shape.head_dim
+    mats = [(h, q + kv), (q, h), (h, 2 * shape.intermediate_size), (shape.intermediate_size, h)]
+    paths = ["plain"] + (["onednn"] if onednn_available() else [])
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for path in paths:
+            flops = secs = 0.0
+            for k, n in mats:
+                lin = Linear(torch.randn(n, k, dtype=dtype), None, path)
+                x = torch.randn(batch, k, dtype=dtype)
+                for _ in range(3):
+                    lin(x)
+                ts = []
+                for _ in range(7):
+                    t = time.perf_counter()
+                    lin(x)
+                    ts.append(time.perf_counter() - t)
+                flops += 2 * batch * k * n
+                secs += statistics.median(ts)
+            rates[f"{str(dtype).replace('torch.', '')}/{path}"] = flops / secs
+    p_tok = sum(len(w.prompt_token_ids) for w in items)
+    o_tok = sum(w.output_len for w in items)
+    non_emb = shape.non_embedding_params()
+    work = 2 * non_emb * (p_tok + o_tok) + 2 * shape.vocab_size * shape.hidden_size * o_tok
+    out = {"gflops": {k: round(v / 1e9, 1) for k, v in rates.items()},
+           "workload_gflop": round(work / 1e9, 1), "flop_per_output_token": round(work / o_tok)}
+    for dt in ("float32", "bfloat16"):
+        best = max(v for k, v in rates.items() if k.startswith(dt))
+        out[f"ceiling_output_tok_s_{dt}"] = round(o_tok * best / work, 1)
+    return out
+
+
+def run_bench(num_prompts: int = 256, output_cap: int = 256, dtypes=("float32", "bfloat16"),
+              peers=("hf-cb", "hf-generate"), peer_num_prompts: int | None = 64, model: str = "default",
+              engine_kw: dict | None = None, seed: int = 0) -> dict:
+    from .models.loader import load_hf_model, load_tokenizer, resolve_model
+    from .runner.model import ModelShape
+
+    source = resolve_model(model)
+    tokenizer = load_tokenizer(source)
+    items = sample_sharegpt(tokenizer, num_prompts, output_cap, seed=seed)
+    hf_model = load_hf_model(source)
+    shape = ModelShape.from_config(hf_model.config)
+    report: dict = {"workload": {"source": "ShareGPT_V3_unfiltered_cleaned_split.json", "num_prompts": len(items),
+                                 "output_cap": output_cap, "prompt_tokens": sum(len(w.prompt_token_ids) for w in items),
+                                 "output_tokens": sum(w.output_len for w in items)},
+                    "torch_threads": torch.get_num_threads(), "results": []}
+    log.info("bench: %d prompts, %d prompt + %d output tokens", len(items), report["workload"]["prompt_tokens"],
+             report["workload"]["output_tokens"])
+    report["ceiling"] = gemm_ceiling(shape, items)
+    ours = []
+    for dtype in dtypes:
+        r = run_batchgen(hf_model, tokenizer, items, dtype, source.identity, **(engine_kw or {}))
+        log.info("%s: %.1f output tok/s", r.name, r.output_tps)
+        report["results"].append(r.row())
+        ours.append(r)
+    peer_items = items[:peer_num_prompts] if peer_num_prompts else items
+    peer_results = []
+    for peer in peers:
+        try:
+            if peer == "hf-cb":
+                r = run_hf_continuous(hf_model, peer_items)
+            elif peer == "hf-generate":
+                r = run_hf_generate(hf_model, tokenizer, peer_items)
+            else:
+                raise ValueError(f"unknown peer {peer!r} (hf-cb, hf-generate)")
+        except Exception as e:  # a peer failing must not lose our figures
+            log.warning("peer %s failed: %s", peer, e)
+            report["results"].append({"name": peer, "error": str(e)})
+            continue
+        log.info("%s: %.1f output tok/s", r.name, r.output_tps)
+        report["results"].append(r.row())
+        peer_results.append(r)
+    ratios = {}
+    for o in ours:
+        dt = o.extra["dtype"]
+        ratios[f"{o.name} / GEMM ceiling"] = round(o.output_tps / report["ceiling"][f"ceiling_output_tok_s_{dt}"], 3)
+        for p in peer_results:
+            if p.output_tokens:
+                ratios[f"{o.name} / {p.name}"] = round(o.output_tps / p.output_tps, 2)
+    report["ratios"] = ratios
+    report["peak_rss_bytes"] = peak_rss_bytes()
+    return report
+
+
+def format_report(report: dict) -> str:
+    lines = [f"workload: {json.dumps(report['workload'])}", "",
+             f"{'engine':58s} {'reqs':>5s} {'out tok/s':>10s} {'total tok/s':>12s} {'wall s':>8s}"]
+    for r in report["results"]:
+        if "error" in r:
+            lines.append(f"{r['name']:58s} failed: {r['error']}")
+            continue
+        lines.append(f"{r['name']:58s} {r['requests']:5d} {r['output_tok_s']:10.1f} {r['total_tok_s']:12.1f} {r['wall_s']:8.1f}")
+        if "ttft_s" in r:
+            lines.append(f"    TTFT p50/p99 {r['ttft_s']['p50']}/{r['ttft_s']['p99']} s, ITL p50/p99 "
+                         f"{r['itl_s']['p50']}/{r['itl_s']['p99']} s, KV {r['kv_cache_gib']} GiB "
+                         f"({r['num_kv_blocks']} blocks, peak {r['peak_kv_blocks']}), preemptions {r['preemptions']}")
+    c = report["ceiling"]
+    lines += ["", f"GEMM GFLOP/s at the model's shapes (batch 256): {c['gflops']}",
+              f"ceiling: {c['ceiling_output_tok_s_float32']} output tok/s fp32, {c['ceiling_output_tok_s_bfloat16']} bf16 "
+              f"({c['flop_per_output_token'] / 1e6:.0f} MFLOP per output token)", "", "ratios:"]
+    lines += [f"  {k}: {v}" for k, v in report["ratios"].items()]
+    lines.append(f"peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB")
+    return "\n".join(lines)
