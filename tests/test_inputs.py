@@ -1,0 +1,95 @@
+"""Input forms: HF datasets, chat messages, system prompts, templates, cache locations."""
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.config import JobSpec
+from batchgen.errors import InputError
+from batchgen.io.sources import read_input
+from batchgen.models.loader import cache_root
+from batchgen.prepare import prepare_rows
+from helpers import read_output, write_job
+from test_pipeline import cli
+
+
+def _spec(**input_kw):
+    return JobSpec.model_validate({"input": input_kw, "output": {"path": "unused"}})
+
+
+def test_dataset_from_save_to_disk_and_from_data_files(tmp_path):
+    import datasets
+
+    ds = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"id": ["a", "b"], "prompt": ["x", "y"]}),
+                               "test": datasets.Dataset.from_dict({"id": ["c"], "prompt": ["z"]})})
+    ds.save_to_disk(str(tmp_path / "saved"))
+    rows = read_input(_spec(dataset={"path": str(tmp_path / "saved"), "split": "test"}, id_column="id").input)
+    assert rows.ids == ["c"] and rows.prompts == ["z"]
+    with pytest.raises(InputError, match="'nope' not in"):
+        read_input(_spec(dataset={"path": str(tmp_path / "saved"), "split": "nope"}).input)
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "d.jsonl").write_text('{"id": "j1", "prompt": "p1"}\n{"id": "j2", "prompt": "p2"}\n')
+    rows = read_input(_spec(dataset={"path": str(tmp_path / "files")}, id_column="id").input)
+    assert rows.ids == ["j1", "j2"] and rows.prompts == ["p1", "p2"]
+
+
+def test_unknown_hub_dataset_fails_offline_with_a_clear_message():
+    with pytest.raises(InputError, match="cannot load 'no-such-user/no-such-dataset'.*offline"):
+        read_input(_spec(dataset={"path": "no-such-user/no-such-dataset"}).input)
+
+
+def test_messages_system_prompt_and_template_choices(tmp_path, smol_tokenizer):
+    p = tmp_path / "m.parquet"
+    msgs = [[{"role": "user", "content": "Hi there"}],
+            [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hello"}],
+            None, [{"role": "user", "content": None}]]
+    pq.write_table(pa.table({"id": ["a", "b", "c", "d"], "msgs": msgs}), p)
+    spec = _spec(path=str(p), messages_column="msgs", id_column="id", system_prompt="You are a pirate.")
+    rows = read_input(spec.input)
+    prep = prepare_rows(rows, spec, smol_tokenizer, 8192)
+    text = {i: smol_tokenizer.decode(list(prep.token_ids[i])) for i in prep.order}
+    assert "You are a pirate." in text[0] and "Hi there" in text[0] and text[0].endswith("<|im_start|>assistant\n")
+    assert "Be terse." in text[1] and "pirate" not in text[1], "a row's own system message wins"
+    assert "messages are null" in prep.errors[2] and "message 0 needs string role and content" in prep.errors[3]
+
+    q = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"id": ["a"], "prompt": ["Name a colour."]}), q)
+    raw = _spec(path=str(q), id_column="id", chat_template=False, system_prompt="SYS")
+    prep = prepare_rows(read_input(raw.input), raw, smol_tokenizer, 8192)
+    assert smol_tokenizer.decode(list(prep.token_ids[0])) == "SYS\n\nName a colour."
+    templ = _spec(path=str(q), id_column="id")
+    prep = prepare_rows(read_input(templ.input), templ, smol_tokenizer, 8192)
+    assert smol_tokenizer.decode(list(prep.token_ids[0])).startswith("<|im_start|>system")
+
+
+def test_pipeline_runs_a_messages_job(tmp_path, tiny_model_dir):
+    p = tmp_path / "m.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "msgs": [[{"role": "user", "content": "Hi"}], []]}), p)
+    job = write_job(tmp_path, tiny_model_dir, p, input={"messages_column": "msgs", "prompt_column": None})
+    assert cli("run", job).exit_code == 0
+    df = read_output(tmp_path / "out").sort("id")
+    assert df["error"].to_list() == [None, "column 'msgs': messages are empty"]
+
+
+def test_cache_root_honours_batchgen_cache_then_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv("BATCHGEN_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "batchgen"
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "bg"))
+    assert cache_root() == tmp_path / "bg"
+
+
+def test_gguf_is_converted_once_into_the_cache(monkeypatch, tmp_path, smol_source):
+    """A fresh cache folder gets the dequantised safetensors; a second resolve reuses them."""
+    import shutil
+
+    from batchgen.models.loader import ensure_local, resolve_model
+
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "cache"))
+    src = resolve_model(str(smol_source.gguf_file))
+    assert src.folder.parent == tmp_path / "cache" / "gguf" and not src.folder.exists()
+    # Seed the new cache from the session's copy instead of dequantising again (~20 s).
+    shutil.copytree(smol_source.folder, src.folder)
+    mtime = (src.folder / "model.safetensors").stat().st_mtime
+    assert ensure_local(resolve_model(str(smol_source.gguf_file))) == src.folder
+    assert (src.folder / "model.safetensors").stat().st_mtime == mtime
+    assert src.identity == smol_source.identity and src.identity.startswith("gguf:")
