@@ -103,6 +103,8 @@ class EngineSpec(Strict):
     prefix_caching: bool = True
     linear_path: Literal["auto", "plain", "onednn"] = Field("auto", description="CPU GEMM path; plain is F.linear")
     decode_attention: Literal["batched", "exact"] = "batched"
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="auto: Triton kernels on CUDA, torch on CPU; torch forces the torch path on CUDA")
     seed: int = Field(0, description="Seed of the shared stream used by unseeded rows")
 
 

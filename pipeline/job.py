@@ -43,7 +43,8 @@ def engine_config(spec: JobSpec):
                         max_num_batched_tokens=e.max_num_batched_tokens, kv_cache_gib=e.kv_cache_gib,
                         kv_cache_fraction=e.kv_cache_fraction, max_model_len=e.max_model_len,
                         prefix_caching=e.prefix_caching, dtype=spec.model.dtype, device=spec.model.device,
-                        linear_path=e.linear_path, decode_attention=e.decode_attention, seed=e.seed)
+                        linear_path=e.linear_path, decode_attention=e.decode_attention,
+                        attention_backend=e.attention_backend, seed=e.seed)
 
 
 def context_length(spec: JobSpec, model_config) -> int:

@@ -41,6 +41,8 @@ class EngineConfig:
     # "batched" (padded, one SDPA for all decodes) or "exact" (per sequence, bit-identical
     # to transformers' batch-1 decode).
     decode_attention: str = "batched"
+    # "auto": Triton kernels on CUDA, torch on CPU; "triton" on a CPU needs TRITON_INTERPRET=1.
+    attention_backend: str = "auto"
     seed: int = 0
     # Waiting requests kept in the scheduler ahead of need, as a multiple of max_num_seqs.
     lookahead: int = 4
@@ -132,7 +134,13 @@ class Engine:
         self.kv_manager = KVCacheManager(self.num_blocks, cfg.block_size, cfg.prefix_caching, salt)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len),
                                    self.kv_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, cfg.decode_attention, cfg.seed)
+        backend = cfg.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        if backend not in ("torch", "triton"):
+            raise ConfigError(f"engine.attention_backend: {backend!r} is not one of auto, torch, triton")
+        self.attention_backend = backend
+        self.runner = ModelRunner(self.model, self.kv_cache, cfg.decode_attention, cfg.seed, backend)
         self.eos_token_ids = self._eos_ids(hf_model, tokenizer)
         log.info("engine: %s %s, linear=%s, KV cache %d blocks x %d tokens = %.2f GiB (%d B/token)",
                  self.device, str(self.dtype).replace("torch.", ""), linear_path, self.num_blocks, cfg.block_size,
@@ -251,6 +259,7 @@ class Engine:
         s = self.scheduler.stats
         return {
             "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""), "linear_path": self.linear_path,
+            "attention_backend": self.attention_backend,
             "num_kv_blocks": self.num_blocks, "block_size": self.config.block_size,
             "kv_cache_bytes": self.kv_cache.bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
             "max_model_len": self.max_model_len, "steps": s.num_steps, "preemptions": s.num_preemptions,

@@ -8,6 +8,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels run on this CPU through the interpreter; examples/gpu_check.py sets 0 on CUDA.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from helpers import tiny_hf_model
 

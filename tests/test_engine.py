@@ -155,3 +155,13 @@ def test_ttft_and_itl_are_measured(family_model):
     _, model = family_model
     r = run(engine(model), prompts(seed=6, lengths=(8,)))[("0", 0)]
     assert r.ttft_s is not None and r.ttft_s > 0 and r.itl_s is not None and r.itl_s > 0
+
+
+def test_triton_attention_path_matches_transformers(family_model, reference):
+    """The CUDA path's kernels inside the engine, run by Triton's interpreter on this CPU:
+    prefill, chunked prefill over cached context, and decode."""
+    _, model = family_model
+    ps, ref = reference
+    e = engine(model, attention_backend="triton", max_num_batched_tokens=24)
+    _assert_match(run(e, ps[:4]), ref[:4])
+    assert e.attention_backend == "triton"

@@ -53,6 +53,16 @@ class AttentionMetadata:
     # "exact": one unpadded SDPA per sequence, bit-identical to transformers' batch-1 path.
     decode_mode: str = "batched"
     decode_buckets: list[DecodeBucket] | None = None
+    # "torch" (this file) or "triton" (batchgen.kernels; the default on CUDA).
+    backend: str = "torch"
+    # Triton path: prefill chunks packed after the decodes.
+    # [num_prefills + 1] offsets of each chunk's tokens, relative to the first prefill token.
+    prefill_cu_seqlens: torch.Tensor | None = None
+    # [num_prefills] cached + new tokens of each chunk's sequence.
+    prefill_context_lens: torch.Tensor | None = None
+    # [num_prefills, max_blocks] block ids.
+    prefill_block_tables: torch.Tensor | None = None
+    max_prefill_len: int = 0
 
 
 def decode_buckets(context_blocks: list[int], max_ratio: float = 1.3) -> list[tuple[int, int]]:
@@ -85,6 +95,8 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [num_tokens, heads, dim], k/v [num_tokens, kv_heads, dim] -> [num_tokens, heads, dim]."""
+    if meta.backend == "triton":
+        return _triton_attention(q, k, v, k_cache, v_cache, meta, scale)
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     nd = meta.num_decodes
@@ -141,3 +153,20 @@ def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qg = q.view(nd, kvh, group, d)  # [nd, kvh, group, d]
     o = F.scaled_dot_product_attention(qg, ks.to(q.dtype), vs.to(q.dtype), attn_mask=bucket.mask, scale=scale)
     return o.reshape(nd, nh, d)
+
+
+def _triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    from batchgen.kernels.paged_decode import paged_decode
+    from batchgen.kernels.paged_prefill import paged_prefill
+    from batchgen.kernels.store_kv import store_kv as triton_store_kv
+
+    triton_store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+    nd = meta.num_decodes
+    parts = []
+    if nd:
+        parts.append(paged_decode(q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_tables,
+                                  meta.decode_context_lens, scale))
+    if meta.prefills:
+        parts.append(paged_prefill(q[nd:].contiguous(), k_cache, v_cache, meta.prefill_block_tables,
+                                   meta.prefill_cu_seqlens, meta.prefill_context_lens, scale, meta.max_prefill_len))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

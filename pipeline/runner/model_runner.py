@@ -23,10 +23,12 @@ class KVCache:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, decode_mode: str = "batched", seed: int = 0) -> None:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, decode_mode: str = "batched", seed: int = 0,
+                 backend: str = "torch") -> None:
         self.model = model
         self.kv = kv_cache
         self.decode_mode = decode_mode
+        self.backend = backend
         self.sampler = Sampler(seed)
         self.device = model.device
 
@@ -38,7 +40,7 @@ class ModelRunner:
         input_ids, positions, slots, meta, sample_rows = self._prepare(ordered)
         sampled_seqs = [ordered[i] for i in sample_rows[1]]
         if not sampled_seqs:
-            self.model.forward(input_ids, positions, meta, self.kv.layers, torch.empty(0, dtype=torch.long))
+            self.model.forward(input_ids, positions, meta, self.kv.layers, self._dev(torch.empty(0, dtype=torch.long)))
             return RunnerOutput()
         logits = self.model.forward(input_ids, positions, meta, self.kv.layers, sample_rows[0])
         tokens = self.sampler(logits, sampled_seqs)
@@ -72,15 +74,41 @@ class ModelRunner:
                 sample_seq.append(i)
         meta = AttentionMetadata(
             num_decodes=len(decode_tables), decode_block_tables=None, decode_context_lens=None,
-            prefills=prefills, slot_mapping=torch.tensor(slots, dtype=torch.long), decode_mode=self.decode_mode)
+            prefills=prefills, slot_mapping=torch.tensor(slots, dtype=torch.long), decode_mode=self.decode_mode,
+            backend=self.backend)
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
             meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long)
-            if self.decode_mode == "batched":
+            if self.decode_mode == "batched" and self.backend == "torch":
                 meta.decode_buckets = self._buckets(meta.decode_block_tables, meta.decode_context_lens)
-        return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), slots, meta,
-                (torch.tensor(sample_idx, dtype=torch.long), sample_seq))
+        if self.backend == "triton":
+            self._triton_meta(meta, seqs)
+        return (self._dev(torch.tensor(ids, dtype=torch.long)), self._dev(torch.tensor(pos, dtype=torch.long)), slots,
+                meta, (self._dev(torch.tensor(sample_idx, dtype=torch.long)), sample_seq))
+
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=True) if t.device != self.device else t
+
+    def _triton_meta(self, meta: AttentionMetadata, seqs: list[ScheduledSeq]) -> None:
+        """Device tensors for the Triton kernels (int32 indices)."""
+        meta.slot_mapping = self._dev(meta.slot_mapping)
+        if meta.num_decodes:
+            meta.decode_block_tables = self._dev(meta.decode_block_tables.to(torch.int32))
+            meta.decode_context_lens = self._dev(meta.decode_context_lens.to(torch.int32))
+        pre = [s for s in seqs if len(s.token_ids) > 1]
+        if pre:
+            width = max(len(s.block_table) for s in pre)
+            meta.prefill_block_tables = self._dev(torch.tensor([s.block_table + [0] * (width - len(s.block_table))
+                                                                for s in pre], dtype=torch.int32))
+            lens = [len(s.token_ids) for s in pre]
+            cu = [0]
+            for n in lens:
+                cu.append(cu[-1] + n)
+            meta.prefill_cu_seqlens = self._dev(torch.tensor(cu, dtype=torch.int32))
+            meta.prefill_context_lens = self._dev(torch.tensor([s.start_pos + len(s.token_ids) for s in pre],
+                                                               dtype=torch.int32))
+            meta.max_prefill_len = max(lens)
 
     def _buckets(self, tables: torch.Tensor, context_lens: torch.Tensor) -> list[DecodeBucket]:
         bs = self.kv.block_size

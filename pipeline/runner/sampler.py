@@ -29,11 +29,13 @@ class Sampler:
         if all(p.greedy for p in params):
             tokens = logits.argmax(dim=-1)
         else:
+            # Seeded rows draw from CPU generators, so their samples are the same on any device.
+            logits = logits.cpu()
             tokens = self._sample(logits, seqs)
         token_list = tokens.tolist()
         if not want_logprobs:
             return [SampledToken(t) for t in token_list]
-        logp = torch.log_softmax(logits, dim=-1)
+        logp = torch.log_softmax(logits.float().cpu(), dim=-1)
         out = []
         for i, (t, p) in enumerate(zip(token_list, params)):
             top = None

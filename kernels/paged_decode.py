@@ -1,0 +1,128 @@
+"""Paged attention for decode, flash-decoding style.
+
+Each program takes one (sequence, KV head, context split): it walks the split's blocks through
+the block table and keeps an online softmax for all query heads of the group (GQA reads each K/V
+block once). A second kernel merges the splits. Tiles are upcast to fp32 before the math.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check, check_cache, check_same_device, pow2
+
+
+def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale,
+                           math_dtype=torch.float32) -> torch.Tensor:
+    """q [num_seqs, heads, dim] -> [num_seqs, heads, dim], computed in math_dtype."""
+    nb, bs, kvh, d = k_cache.shape
+    out = torch.empty_like(q)
+    group = q.shape[1] // kvh
+    for i in range(q.shape[0]):
+        n = int(context_lens[i])
+        blocks = block_tables[i, : -(-n // bs)]
+        k = k_cache[blocks].reshape(-1, kvh, d)[:n].to(math_dtype).repeat_interleave(group, 1)  # [n, heads, d]
+        v = v_cache[blocks].reshape(-1, kvh, d)[:n].to(math_dtype).repeat_interleave(group, 1)
+        s = torch.einsum("hd,nhd->hn", q[i].to(math_dtype), k) * scale
+        out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
+    return out
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, acc_ptr, m_ptr, l_ptr, scale,
+                         stride_qs, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+                         stride_as, stride_ah, stride_ax, stride_ms, stride_mh,
+                         GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(len_ptr + seq)
+    n_blocks = tl.cdiv(ctx, BLOCK_SIZE)
+    first = split * BLOCKS_PER_SPLIT
+    last = tl.minimum(first + BLOCKS_PER_SPLIT, n_blocks)
+    g = tl.arange(0, GROUP_P)
+    d = tl.arange(0, HEAD_DIM)
+    s_off = tl.arange(0, BLOCK_SIZE)
+    heads = kvh * GROUP + g
+    gmask = g < GROUP
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+    q = q.to(tl.float32) * scale
+    m = tl.full([GROUP_P], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
+    for b in range(first, last):
+        phys = tl.load(bt_ptr + seq * stride_bt + b).to(tl.int64)
+        kv_off = phys * stride_cb + s_off[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+        k = tl.load(kc_ptr + kv_off).to(tl.float32)  # [BLOCK_SIZE, HEAD_DIM]
+        v = tl.load(vc_ptr + kv_off).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_P, BLOCK_SIZE]
+        valid = (b * BLOCK_SIZE + s_off) < ctx
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+    base = seq * stride_as + heads[:, None] * stride_ah + split * stride_ax + d[None, :]
+    tl.store(acc_ptr + base, acc, mask=gmask[:, None])
+    ml = seq * stride_ms + heads * stride_mh + split
+    tl.store(m_ptr + ml, m, mask=gmask)
+    tl.store(l_ptr + ml, l, mask=gmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_as, stride_ah, stride_ax, stride_ms, stride_mh,
+                          stride_os, stride_oh, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+                          HEAD_DIM: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    x = tl.arange(0, SPLITS_P)
+    d = tl.arange(0, HEAD_DIM)
+    xmask = x < NUM_SPLITS
+    m = tl.load(m_ptr + seq * stride_ms + head * stride_mh + x, mask=xmask, other=float("-inf"))
+    l = tl.load(l_ptr + seq * stride_ms + head * stride_mh + x, mask=xmask, other=0.0)
+    acc = tl.load(acc_ptr + seq * stride_as + head * stride_ah + x[:, None] * stride_ax + d[None, :],
+                  mask=xmask[:, None], other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)  # empty splits weigh nothing
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, blocks_per_split: int = 16) -> torch.Tensor:
+    """q [num_seqs, heads, dim]; block_tables [num_seqs, max_blocks]; context_lens [num_seqs] (>= 1)."""
+    nb, bs, kvh, d = check_cache(k_cache, v_cache)
+    check(q.dim() == 3 and q.shape[2] == d, f"q must be [num_seqs, heads, {d}], got {tuple(q.shape)}")
+    check(q.shape[1] % kvh == 0, f"{q.shape[1]} query heads are not a multiple of {kvh} KV heads")
+    check(q.dtype == k_cache.dtype, f"q dtype {q.dtype} differs from the cache's {k_cache.dtype}")
+    check(q.stride(-1) == 1, "q head_dim must be contiguous")
+    check(block_tables.dim() == 2 and block_tables.shape[0] == q.shape[0],
+          f"block_tables must be [{q.shape[0]}, max_blocks], got {tuple(block_tables.shape)}")
+    check(context_lens.shape == (q.shape[0],), f"context_lens must be [{q.shape[0]}]")
+    check(not block_tables.dtype.is_floating_point and not context_lens.dtype.is_floating_point,
+          "block_tables and context_lens must be integer tensors")
+    check(d & (d - 1) == 0 and bs & (bs - 1) == 0, f"head_dim ({d}) and block_size ({bs}) must be powers of two")
+    check_same_device(q, k_cache, block_tables, context_lens)
+    block_tables = block_tables.contiguous()
+    n, heads = q.shape[0], q.shape[1]
+    out = torch.empty_like(q)
+    if n == 0:
+        return out
+    group = heads // kvh
+    splits = max(1, -(-block_tables.shape[1] // blocks_per_split))
+    acc = torch.empty((n, heads, splits, d), dtype=torch.float32, device=q.device)
+    m = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    _decode_split_kernel[(n, kvh, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, acc, m, l, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+        GROUP=group, GROUP_P=pow2(group), HEAD_DIM=d, BLOCK_SIZE=bs, BLOCKS_PER_SPLIT=blocks_per_split)
+    _decode_reduce_kernel[(n, heads)](
+        acc, m, l, out, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+        out.stride(0), out.stride(1), NUM_SPLITS=splits, SPLITS_P=pow2(splits), HEAD_DIM=d)
+    return out
