@@ -137,6 +137,59 @@ def bench(num_prompts: int = typer.Option(256, "--num-prompts", min=1, help="Sha
 
 
 @app.command()
+def plan(job: Optional[Path] = typer.Argument(None, help="Job spec; its model, dtype and prompt lengths are used"),
+         model: Optional[str] = typer.Option(None, "--model", help="Model folder, config.json, .gguf or 'default'"),
+         dtype: str = typer.Option("bfloat16", "--dtype", help="float32, bfloat16, float16, fp8 or int8"),
+         context: Optional[int] = typer.Option(None, "--context", help="Tokens per sequence (prompt + output)"),
+         batch: Optional[int] = typer.Option(None, "--batch", help="Sequences at once"),
+         kv_gib: Optional[float] = typer.Option(None, "--kv-gib", help="KV budget in GiB (default: the job's, or 16)"),
+         set_: Optional[List[str]] = SET_OPT) -> None:
+    """Memory plan from the model config alone: weights, KV per token, sequences that fit,
+    suggested max_num_seqs / max_num_batched_tokens, and a warning when settings will thrash."""
+    from . import plan as planner
+
+    try:
+        spec = None
+        if job is not None:
+            from .config import load_job
+
+            spec = load_job(job, set_)
+            model = model or spec.model.path
+            if spec.model.dtype != "auto":
+                dtype = spec.model.dtype
+        if model is None:
+            raise BatchgenError("give a JOB.yaml or --model")
+        if dtype not in planner.DTYPE_BYTES:
+            raise BatchgenError(f"--dtype: {dtype!r} is not one of {', '.join(planner.DTYPE_BYTES)}")
+        cfg, name = planner.load_model_config(model)
+        mem = planner.ModelMemory.from_config(cfg, name)
+        avg_prompt = None
+        if context is None and spec is not None:
+            context, avg_prompt = _job_lengths(spec)
+        context = context or mem.max_position
+        budget = kv_gib if kv_gib is not None else (spec.engine.kv_cache_gib if spec and spec.engine.kv_cache_gib else 16)
+        p = planner.plan(mem, dtype, int(budget * 2**30), context, batch,
+                         spec.engine.max_num_seqs if spec else None, spec.engine.block_size if spec else 16, avg_prompt)
+    except BatchgenError as e:
+        _fail(e)
+    typer.echo(planner.format_plan(p))
+
+
+def _job_lengths(spec) -> tuple[int, int]:
+    """Longest prompt + max_tokens of the job, and its mean prompt length (tokenizer only)."""
+    from .io.sources import read_input
+    from .job import context_length
+    from .models.loader import load_config, load_tokenizer, resolve_model
+    from .prepare import prepare_rows
+
+    source = resolve_model(spec.model.path)
+    prepared = prepare_rows(read_input(spec.input), spec, load_tokenizer(source), context_length(spec, load_config(source)))
+    lens = [len(prepared.token_ids[i]) + prepared.sampling[i].max_tokens for i in prepared.order] or [1]
+    prompts = [len(prepared.token_ids[i]) for i in prepared.order] or [1]
+    return max(lens), sum(prompts) // len(prompts)
+
+
+@app.command()
 def schema(out_dir: Path = typer.Option(Path("schemas"), "--out", help="Folder for the JSON schema files")) -> None:
     """Regenerate schemas/job.schema.json from the job spec model."""
     from .config import job_json_schema

@@ -100,7 +100,11 @@ class EngineSpec(Strict):
     kv_cache_gib: float | None = Field(None, gt=0, description="KV budget in GiB; default: kv_cache_fraction of free memory")
     kv_cache_fraction: float = Field(0.25, gt=0, le=0.95)
     max_model_len: int | None = Field(None, ge=1, description="Cap on prompt + output tokens (default: the model's)")
-    prefix_caching: bool = True
+    prefix_caching: bool = Field(True, description="Reuse KV of shared prompt prefixes (full blocks)")
+    cpu_offload_gib: float = Field(0.0, ge=0, description="Host-memory KV tier for swapped-out requests and spilled "
+                                                        "prefix blocks; 0 turns it off")
+    preemption: Literal["auto", "swap", "recompute"] = Field(
+        "auto", description="A preempted request's KV: swap to the CPU tier, recompute later, or auto (by estimated cost)")
     linear_path: Literal["auto", "plain", "onednn"] = Field("auto", description="CPU GEMM path; plain is F.linear")
     decode_attention: Literal["batched", "exact"] = "batched"
     attention_backend: Literal["auto", "torch", "triton"] = Field(

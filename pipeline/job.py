@@ -42,7 +42,8 @@ def engine_config(spec: JobSpec):
     return EngineConfig(block_size=e.block_size, max_num_seqs=e.max_num_seqs,
                         max_num_batched_tokens=e.max_num_batched_tokens, kv_cache_gib=e.kv_cache_gib,
                         kv_cache_fraction=e.kv_cache_fraction, max_model_len=e.max_model_len,
-                        prefix_caching=e.prefix_caching, dtype=spec.model.dtype, device=spec.model.device,
+                        prefix_caching=e.prefix_caching, cpu_offload_gib=e.cpu_offload_gib, preemption=e.preemption,
+                        dtype=spec.model.dtype, device=spec.model.device,
                         linear_path=e.linear_path, decode_attention=e.decode_attention,
                         attention_backend=e.attention_backend, seed=e.seed)
 

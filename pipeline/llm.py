@@ -34,6 +34,10 @@ class EngineConfig:
     # Cap on prompt + output tokens; defaults to the model's context length.
     max_model_len: int | None = None
     prefix_caching: bool = True
+    # Host-memory KV tier for swapped-out requests and spilled prefix blocks (0: off).
+    cpu_offload_gib: float = 0.0
+    # auto | swap | recompute: what a preempted request's KV becomes.
+    preemption: str = "auto"
     dtype: str = "auto"
     device: str = "auto"
     # "auto": oneDNN packed GEMMs on CPU when available; "plain": F.linear (exact reference).
@@ -128,12 +132,22 @@ class Engine:
             self.max_model_len = window
         self.kv_bytes_per_token = shape.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
         self.num_blocks = self._num_blocks(shape)
+        block_bytes = cfg.block_size * self.kv_bytes_per_token
+        self.num_cpu_blocks = int(cfg.cpu_offload_gib * 2**30) // block_bytes
         self.kv_cache = KVCache(shape.num_layers, self.num_blocks, cfg.block_size, shape.num_kv_heads,
-                                shape.head_dim, self.dtype, self.device)
+                                shape.head_dim, self.dtype, self.device, self.num_cpu_blocks)
         salt = f"{model_identity}|{self.dtype}".encode()
-        self.kv_manager = KVCacheManager(self.num_blocks, cfg.block_size, cfg.prefix_caching, salt)
-        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len),
-                                   self.kv_manager)
+        self.kv_manager = KVCacheManager(self.num_blocks, cfg.block_size, cfg.prefix_caching, salt,
+                                         self.num_cpu_blocks)
+        # Cost estimates for swap-or-recompute: host copies run ~10 GB/s on a CPU and ~20 GB/s
+        # over PCIe; recompute costs 2 FLOP per parameter per token at ~150 GFLOP/s (this CPU,
+        # measured) or ~300 TFLOP/s (H200 bf16, derated).
+        flops = 1.5e11 if self.device.type == "cpu" else 3e14
+        copy_bw = 1e10 if self.device.type == "cpu" else 2e10
+        sched_cfg = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len, cfg.preemption,
+                                    recompute_s_per_token=2 * shape.non_embedding_params() / flops,
+                                    swap_s_per_block=2 * block_bytes / copy_bw)
+        self.scheduler = Scheduler(sched_cfg, self.kv_manager)
         backend = cfg.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
@@ -142,9 +156,10 @@ class Engine:
         self.attention_backend = backend
         self.runner = ModelRunner(self.model, self.kv_cache, cfg.decode_attention, cfg.seed, backend)
         self.eos_token_ids = self._eos_ids(hf_model, tokenizer)
-        log.info("engine: %s %s, linear=%s, KV cache %d blocks x %d tokens = %.2f GiB (%d B/token)",
-                 self.device, str(self.dtype).replace("torch.", ""), linear_path, self.num_blocks, cfg.block_size,
-                 self.kv_cache.bytes / 2**30, self.kv_bytes_per_token)
+        log.info("engine: %s %s, linear=%s, KV cache %d blocks x %d tokens = %.2f GiB (%d B/token), "
+                 "CPU tier %d blocks = %.2f GiB", self.device, str(self.dtype).replace("torch.", ""), linear_path,
+                 self.num_blocks, cfg.block_size, self.kv_cache.bytes / 2**30, self.kv_bytes_per_token,
+                 self.num_cpu_blocks, self.kv_cache.cpu_bytes / 2**30)
         self.step_count = 0
 
     @classmethod
@@ -222,7 +237,7 @@ class Engine:
 
     def step(self) -> list[GenerationResult]:
         sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched_out.seqs)
+        runner_out = self.runner.execute(sched_out.seqs, sched_out.copy_to_cpu, sched_out.copy_to_device)
         touched = self.scheduler.update(sched_out, runner_out)
         self.step_count += 1
         results = []
@@ -257,6 +272,7 @@ class Engine:
 
     def counters(self) -> dict:
         s = self.scheduler.stats
+        t = self.kv_manager.tier
         return {
             "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""), "linear_path": self.linear_path,
             "attention_backend": self.attention_backend,
@@ -266,4 +282,11 @@ class Engine:
             "prefill_tokens": s.prefill_tokens, "decode_tokens": s.decode_tokens, "peak_running": s.peak_running,
             "peak_kv_blocks": s.peak_kv_blocks, "prefix_hit_rate": round(self.kv_manager.prefix_hit_rate(), 4),
             "prefix_cache_evictions": self.kv_manager.pool.num_evictions,
+            "preemptions_swap": s.num_swap_preemptions, "preemptions_recompute": s.num_recompute_preemptions,
+            "cpu_kv_blocks": self.num_cpu_blocks, "cpu_kv_bytes": self.kv_cache.cpu_bytes,
+            "peak_cpu_kv_blocks": self.kv_manager.cpu_pool.peak_used if self.kv_manager.cpu_pool else 0,
+            "swapped_out_blocks": t.swapped_out_blocks, "swapped_in_blocks": t.swapped_in_blocks,
+            "swapped_out_bytes": t.swapped_out_blocks * self.kv_cache.block_bytes,
+            "swapped_in_bytes": t.swapped_in_blocks * self.kv_cache.block_bytes,
+            "prefix_blocks_spilled": t.spilled_blocks, "prefix_blocks_reloaded": t.reloaded_blocks,
         }

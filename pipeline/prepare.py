@@ -137,8 +137,35 @@ def prepare_rows(rows: InputRows, spec: JobSpec, tokenizer, max_model_len: int, 
         enc = tokenizer([texts[i] for i in batch], add_special_tokens=not chat)["input_ids"]
         for i, ids in zip(batch, enc):
             _admit_row(out, rows, spec, i, ids, base, max_model_len)
-    out.order.sort(key=lambda i: (len(out.token_ids[i]), i))
+    out.order = length_sorted_prefix_groups(out.order, out.token_ids)
     return out
+
+
+def length_sorted_prefix_groups(order: list[int], token_ids: dict[int, array], prefix: int = 128) -> list[int]:
+    """Shortest prompts first, except that rows sharing their first `prefix` tokens run together
+    (as a group placed at its shortest member), so a shared few-shot or system prefix stays hot
+    in the prefix cache instead of being evicted between its users."""
+    counts: dict[bytes, int] = {}
+    keys: dict[int, bytes | None] = {}
+    for i in order:
+        ids = token_ids[i]
+        key = ids[:prefix].tobytes() if len(ids) > prefix else None
+        keys[i] = key
+        if key is not None:
+            counts[key] = counts.get(key, 0) + 1
+    group_start: dict[bytes, int] = {}
+    for i in order:
+        k = keys[i]
+        if k is not None and counts[k] > 1:
+            group_start[k] = min(group_start.get(k, 1 << 62), len(token_ids[i]))
+
+    def sort_key(i: int):
+        k = keys[i]
+        if k is not None and counts[k] > 1:
+            return (group_start[k], 0, k, len(token_ids[i]), i)
+        return (len(token_ids[i]), 1, b"", 0, i)
+
+    return sorted(order, key=sort_key)
 
 
 def _admit_row(out: PreparedRows, rows: InputRows, spec: JobSpec, i: int, ids: list[int], base: SamplingParams,

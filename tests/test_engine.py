@@ -165,3 +165,39 @@ def test_triton_attention_path_matches_transformers(family_model, reference):
     e = engine(model, attention_backend="triton", max_num_batched_tokens=24)
     _assert_match(run(e, ps[:4]), ref[:4])
     assert e.attention_backend == "triton"
+
+
+@pytest.mark.parametrize("preemption", ["swap", "recompute", "auto"])
+def test_cpu_tier_under_a_tiny_device_budget_gives_identical_output(family_model, reference, preemption):
+    _, model = family_model
+    ps, ref = reference
+    per_block = engine(model).kv_bytes_per_token * 16
+    e = Engine(model, IdTokenizer(), EngineConfig(kv_cache_gib=12 * per_block / 2**30,
+                                                  cpu_offload_gib=64 * per_block / 2**30, preemption=preemption))
+    _assert_match(run(e, ps), ref)
+    c = e.counters()
+    assert c["preemptions"] > 0
+    if preemption == "recompute":
+        assert c["preemptions_swap"] == 0 and c["swapped_out_blocks"] == 0
+    else:  # on a CPU, moving blocks is far cheaper than recomputing them, so auto swaps
+        assert c["preemptions_swap"] > 0 and c["swapped_in_blocks"] > 0 and c["swapped_out_bytes"] > 0
+    e.kv_manager.check_all_free()
+
+
+def test_evicted_prefix_blocks_spill_to_cpu_and_reload_on_a_hit(family_model):
+    _, model = family_model
+    shared = prompts(seed=7, lengths=(48,))[0]
+    others = prompts(seed=8, lengths=(60, 60))
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    per_block = engine(model).kv_bytes_per_token * 16
+    cfg = dict(kv_cache_gib=6 * per_block / 2**30, max_num_seqs=1)
+    e = Engine(model, IdTokenizer(), EngineConfig(cpu_offload_gib=32 * per_block / 2**30, **cfg))
+    # The shared prompt is cached, pushed out of the 6-block device pool by the others, then asked again.
+    order = [shared + [5], others[0], others[1], shared + [9]]
+    got = run(e, order, sp)
+    want = run(Engine(model, IdTokenizer(), EngineConfig(prefix_caching=False, **cfg)), order, sp)
+    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in want.items()}
+    c = e.counters()
+    assert c["prefix_blocks_spilled"] > 0 and c["prefix_blocks_reloaded"] == 3
+    assert got[("3", 0)].cached_tokens == 48
+    e.kv_manager.check_all_free()

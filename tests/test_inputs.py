@@ -93,3 +93,15 @@ def test_gguf_is_converted_once_into_the_cache(monkeypatch, tmp_path, smol_sourc
     assert ensure_local(resolve_model(str(smol_source.gguf_file))) == src.folder
     assert (src.folder / "model.safetensors").stat().st_mtime == mtime
     assert src.identity == smol_source.identity and src.identity.startswith("gguf:")
+
+
+def test_sort_groups_rows_that_share_a_long_prefix():
+    from array import array
+
+    from batchgen.prepare import length_sorted_prefix_groups
+
+    few_shot = list(range(1000, 1200))
+    ids = {0: array("i", [5] * 10), 1: array("i", few_shot + [1] * 50), 2: array("i", [7] * 150),
+           3: array("i", few_shot + [2] * 5), 4: array("i", [8] * 400), 5: array("i", few_shot + [3] * 20)}
+    order = length_sorted_prefix_groups(list(ids), ids)
+    assert order == [0, 2, 3, 5, 1, 4], "the few-shot rows run back to back, placed at their shortest member"

@@ -30,11 +30,14 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, on_evict=None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        # Called with (block, its hash) just before a cached block is evicted for reuse.
+        self.on_evict = on_evict
+        self.peak_used = 0
         self.blocks = [Block(i) for i in range(num_blocks)]
         # block_id -> Block, oldest-freed first: the eviction order.
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
@@ -61,10 +64,13 @@ class BlockPool:
             if block.block_hash is not None:
                 if self._cached.get(block.block_hash) is block:
                     del self._cached[block.block_hash]
+                    if self.on_evict is not None:
+                        self.on_evict(block, block.block_hash)
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block)
+        self.peak_used = max(self.peak_used, self.num_used_blocks)
         return out
 
     def touch(self, blocks: list[Block]) -> None:
@@ -73,6 +79,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
             block.ref_cnt += 1
+        self.peak_used = max(self.peak_used, self.num_used_blocks)
 
     def free(self, blocks: list[Block]) -> None:
         """Drop one reference from each block. Pass a sequence's blocks tail first, so the tail

@@ -1,5 +1,12 @@
-"""The KV cache manager: maps requests to block tables and hides the pool from the scheduler."""
+"""The KV cache manager: maps requests to block tables and hides the pools from the scheduler.
+
+Two tiers: the device pool, and an optional CPU pool that holds swapped-out requests' blocks
+and prefix blocks spilled when the device evicts them. Moving data is the runner's job; this
+class only decides, and hands out transfer lists (device->CPU, then CPU->device) per step.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from .block_pool import Block, BlockPool, hash_block
 from .request import Request
@@ -9,14 +16,42 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass
+class PrefixHit:
+    # Cached blocks found on the device, then (after them) in the CPU tier.
+    device: list[Block] = field(default_factory=list)
+    cpu: list[Block] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.device) + len(self.cpu)
+
+
+@dataclass
+class TierStats:
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    spilled_blocks: int = 0
+    reloaded_blocks: int = 0
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, cache_salt: bytes = b"") -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, cache_salt: bytes = b"",
+                 num_cpu_blocks: int = 0) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, on_evict=self._spill if num_cpu_blocks else None)
+        self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching) if num_cpu_blocks else None
         # Salt goes into every block hash: blocks of another model or dtype never match.
         self.cache_salt = cache_salt
         self._blocks: dict[str, list[Block]] = {}
         self._hashes: dict[str, list[bytes]] = {}
+        self._swapped: dict[str, list[Block]] = {}
+        # This step's copies, (device block, CPU block) and (CPU block, device block).
+        self._to_cpu: list[tuple[int, int]] = []
+        self._to_device: list[tuple[int, int]] = []
+        # CPU blocks read by this step's loads: released once the step is done.
+        self._cpu_release: list[Block] = []
+        self.tier = TierStats()
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -42,39 +77,60 @@ class KVCacheManager:
             hashes.append(hash_block(parent, req.token_ids_slice(i * bs, (i + 1) * bs), self.cache_salt))
         return hashes
 
-    def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
-        """Longest cached prefix of the request, in blocks and tokens. The last token is always
-        left to compute, since its logits are needed."""
-        if not self.pool.enable_caching:
-            return [], 0
-        num_full = (req.num_tokens - 1) // self.block_size
-        hits: list[Block] = []
-        for h in self._block_hashes(req, num_full):
-            block = self.pool.lookup(h)
-            if block is None:
-                break
-            hits.append(block)
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+    # -- prefix cache ----------------------------------------------------------------------
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[Block] | None = None) -> list[int] | None:
-        """Make room for num_new_tokens more tokens of req. Returns the block table, or None
-        (and changes nothing) when the pool cannot supply the blocks."""
-        computed = computed or []
+    def get_computed_blocks(self, req: Request) -> tuple[PrefixHit, int]:
+        """Longest cached prefix of the request (device blocks, then CPU-tier blocks) and its
+        length in tokens. The last token is always left to compute, since its logits are needed."""
+        hit = PrefixHit()
+        if not self.pool.enable_caching:
+            return hit, 0
+        num_full = (req.num_tokens - 1) // self.block_size
+        for h in self._block_hashes(req, num_full):
+            block = self.pool.lookup(h) if not hit.cpu else None
+            if block is not None:
+                hit.device.append(block)
+                continue
+            cpu_block = self.cpu_pool.lookup(h) if self.cpu_pool is not None else None
+            if cpu_block is None:
+                break
+            hit.cpu.append(cpu_block)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += hit.num_blocks * self.block_size
+        return hit, hit.num_blocks * self.block_size
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> list[int] | None:
+        """Make room for num_new_tokens more tokens of req (after its prefix hit, or after its
+        swapped-out blocks come back). Returns the block table, or None (changing nothing)
+        when the device pool cannot supply the blocks."""
+        hit = hit or PrefixHit()
+        swapped = self._swapped.get(req.request_id, [])
         held = self._blocks.get(req.request_id, [])
-        num_computed = req.num_computed_tokens + len(computed) * self.block_size
-        need = self.blocks_needed(num_computed + num_new_tokens) - len(held) - len(computed)
+        num_computed = req.num_computed_tokens + hit.num_blocks * self.block_size
+        need = self.blocks_needed(num_computed + num_new_tokens) - len(held) - len(hit.device)
         # Cached blocks taken from the free queue leave it, so they count against free space.
-        revived = sum(1 for b in computed if b.ref_cnt == 0)
+        revived = sum(1 for b in hit.device if b.ref_cnt == 0)
         if max(need, 0) + revived > self.pool.num_free_blocks:
             return None
-        if computed:
-            self.pool.touch(computed)
+        # Pin the CPU sources first, so that a spill made by this allocation cannot reuse them.
+        if hit.cpu:
+            self.cpu_pool.touch(hit.cpu)
+            self._cpu_release.extend(hit.cpu)
+        self.pool.touch(hit.device)
         blocks = self._blocks.setdefault(req.request_id, [])
-        blocks.extend(computed)
-        if need > 0:
-            blocks.extend(self.pool.allocate(need))
+        blocks.extend(hit.device)
+        new = self.pool.allocate(need) if need > 0 else []
+        blocks.extend(new)
+        sources = swapped or hit.cpu
+        for src, dst in zip(sources, new):
+            self._to_device.append((src.block_id, dst.block_id))
+        if swapped:
+            self.tier.swapped_in_blocks += len(swapped)
+            self._cpu_release.extend(self._swapped.pop(req.request_id))
+        elif hit.cpu:
+            self.tier.reloaded_blocks += len(hit.cpu)
+            for src, dst in zip(hit.cpu, new):
+                self.pool.cache(dst, src.block_hash)
         return [b.block_id for b in blocks]
 
     def cache_blocks(self, req: Request) -> None:
@@ -87,9 +143,51 @@ class KVCacheManager:
         for block, h in zip(blocks[:num_full], hashes):
             self.pool.cache(block, h)
 
+    def _spill(self, block: Block, block_hash: bytes) -> None:
+        """The device evicts a cached block: keep a copy in the CPU tier if it has room."""
+        if self.cpu_pool.lookup(block_hash) is not None or self.cpu_pool.num_free_blocks == 0:
+            return
+        (cpu_block,) = self.cpu_pool.allocate(1)
+        self.cpu_pool.cache(cpu_block, block_hash)
+        self.cpu_pool.free([cpu_block])  # unreferenced: evictable from the CPU tier in turn
+        self._to_cpu.append((block.block_id, cpu_block.block_id))
+        self.tier.spilled_blocks += 1
+
+    # -- swapping ----------------------------------------------------------------------------
+
+    def is_swapped(self, req: Request) -> bool:
+        return req.request_id in self._swapped
+
+    def can_swap_out(self, req: Request) -> bool:
+        return self.cpu_pool is not None and len(self._blocks.get(req.request_id, ())) <= self.cpu_pool.num_free_blocks
+
+    def swap_out(self, req: Request) -> None:
+        """Copy the request's blocks to the CPU tier and free them on the device."""
+        blocks = self._blocks.pop(req.request_id, [])
+        cpu_blocks = self.cpu_pool.allocate(len(blocks))
+        self._to_cpu.extend((d.block_id, c.block_id) for d, c in zip(blocks, cpu_blocks))
+        self._swapped[req.request_id] = cpu_blocks
+        self.tier.swapped_out_blocks += len(blocks)
+        self.pool.free(list(reversed(blocks)))
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's copies: (device->CPU pairs, CPU->device pairs); run in that order."""
+        out, self._to_cpu, into, self._to_device = self._to_cpu, [], self._to_device, []
+        return out, into
+
+    def end_step(self) -> None:
+        if self._cpu_release:
+            self.cpu_pool.free(self._cpu_release)
+            self._cpu_release = []
+
+    # -- release -----------------------------------------------------------------------------
+
     def free(self, req: Request) -> None:
         blocks = self._blocks.pop(req.request_id, [])
         self.pool.free(list(reversed(blocks)))
+        swapped = self._swapped.pop(req.request_id, None)
+        if swapped:
+            self.cpu_pool.free(swapped)
 
     def forget(self, req: Request) -> None:
         """Free the request and drop its hash list (it is finished)."""
@@ -98,3 +196,8 @@ class KVCacheManager:
 
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def check_all_free(self) -> None:
+        self.pool.check_all_free()
+        if self.cpu_pool is not None:
+            self.cpu_pool.check_all_free()

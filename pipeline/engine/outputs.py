@@ -30,6 +30,11 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     # Requests that ended without running (they can never fit); their results are final.
     rejected: list[str] = field(default_factory=list)
+    # Block copies the runner makes before the forward pass, in this order:
+    # (device block, CPU block) pairs (swap-outs and prefix spills), then
+    # (CPU block, device block) pairs (swap-ins and prefix reloads).
+    copy_to_cpu: list[tuple[int, int]] = field(default_factory=list)
+    copy_to_device: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -17,17 +17,27 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
+    # "recompute", "swap" (to the CPU tier when it has room), or "auto": swap when moving the
+    # blocks out and back is estimated cheaper than recomputing their tokens.
+    preemption: str = "auto"
+    # For "auto": estimated seconds to recompute one token, and to move one block out and in.
+    recompute_s_per_token: float = 1e-3
+    swap_s_per_block: float = 1e-5
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.preemption not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption must be auto, swap or recompute, got {self.preemption!r}")
 
 
 @dataclass
 class SchedulerStats:
     num_steps: int = 0
     num_preemptions: int = 0
+    num_swap_preemptions: int = 0
+    num_recompute_preemptions: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     peak_running: int = 0
@@ -97,6 +107,7 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit(budget, scheduled)
         out.seqs = [self._scheduled_seq(req, n) for req, n in scheduled]
+        out.copy_to_cpu, out.copy_to_device = self.kv.take_transfers()
         self._account(out)
         return out
 
@@ -114,13 +125,18 @@ class Scheduler:
     def _admit(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            computed, num_cached = self.kv.get_computed_blocks(req)
+            if self.kv.is_swapped(req):
+                # Its KV comes back from the CPU tier: nothing to recompute.
+                hit, num_cached = None, req.num_computed_tokens
+            else:
+                hit, num_cached = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_cached, budget)
-            if self.kv.allocate_slots(req, n, computed) is None:
+            if self.kv.allocate_slots(req, n, hit) is None:
                 break
             self.waiting.popleft()
             req.num_computed_tokens = num_cached
-            req.num_cached_tokens = num_cached
+            if hit is not None:
+                req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append((req, n))
@@ -129,12 +145,26 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.kv.free(req)
-        req.num_computed_tokens = 0
+        if self._should_swap(req):
+            self.kv.swap_out(req)
+            self.stats.num_swap_preemptions += 1
+        else:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            self.stats.num_recompute_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _should_swap(self, req: Request) -> bool:
+        cfg = self.config
+        if cfg.preemption == "recompute" or not self.kv.can_swap_out(req):
+            return False
+        if cfg.preemption == "swap":
+            return True
+        blocks = self.kv.blocks_needed(req.num_computed_tokens)
+        return blocks * cfg.swap_s_per_block < req.num_computed_tokens * cfg.recompute_s_per_token
 
     def _scheduled_seq(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
@@ -165,6 +195,7 @@ class Scheduler:
         """Apply a step's results. Returns the requests that got a new token (finished ones
         included); finished requests have left the running set and freed their blocks."""
         now = self.clock()
+        self.kv.end_step()
         touched: list[Request] = []
         finished: list[Request] = []
         for seq in sched.seqs:

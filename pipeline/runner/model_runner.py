@@ -13,13 +13,36 @@ class KVCache:
     """Per-layer paged K and V tensors: [num_blocks, block_size, num_kv_heads, head_dim]."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, num_cpu_blocks: int = 0) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                        for _ in range(num_layers)]
+        # The CPU tier: same block layout in host memory (pinned on CUDA for async copies).
+        cpu_shape = (num_cpu_blocks,) + shape[1:]
+        pin = device.type == "cuda"
+        self.cpu_layers = [(torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
+                            torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin))
+                           for _ in range(num_layers)] if num_cpu_blocks else []
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.bytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        self.block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        self.bytes = num_blocks * self.block_bytes
+        self.cpu_bytes = num_cpu_blocks * self.block_bytes
+
+    def copy(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
+        """Copy whole blocks between the tiers, every layer."""
+        if not pairs:
+            return
+        from batchgen.kernels.block_copy import copy_blocks
+
+        src_ids = torch.tensor([a for a, _ in pairs], dtype=torch.long)
+        dst_ids = torch.tensor([b for _, b in pairs], dtype=torch.long)
+        for dev, cpu in zip(self.layers, self.cpu_layers):
+            for d, c in zip(dev, cpu):
+                if to_cpu:
+                    copy_blocks(d, c, src_ids, dst_ids)
+                else:
+                    copy_blocks(c, d, src_ids, dst_ids)
 
 
 class ModelRunner:
@@ -32,7 +55,10 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.device = model.device
 
-    def execute(self, seqs: list[ScheduledSeq]) -> RunnerOutput:
+    def execute(self, seqs: list[ScheduledSeq], copy_to_cpu=(), copy_to_device=()) -> RunnerOutput:
+        # Out before in: a block spilled this step may be the target of a load this step.
+        self.kv.copy(list(copy_to_cpu), to_cpu=True)
+        self.kv.copy(list(copy_to_device), to_cpu=False)
         if not seqs:
             return RunnerOutput()
         # Decodes first, by context length, so attention can run them in contiguous buckets.
