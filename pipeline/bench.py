@@ -225,3 +225,84 @@ def format_report(report: dict) -> str:
     lines += [f"  {k}: {v}" for k, v in report["ratios"].items()]
     lines.append(f"peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB")
     return "\n".join(lines)
+
+
+SWEEPABLE = ("max_num_seqs", "max_num_batched_tokens", "block_size")
+
+
+def parse_sweep(text: str) -> tuple[str, list[int]]:
+    """'max_num_seqs=1,4,16' -> ('max_num_seqs', [1, 4, 16])."""
+    name, sep, values = text.partition("=")
+    if not sep or name not in SWEEPABLE:
+        raise ValueError(f"--sweep takes NAME=v1,v2,... with NAME one of {', '.join(SWEEPABLE)}; got {text!r}")
+    try:
+        vals = [int(v) for v in values.split(",") if v]
+    except ValueError:
+        raise ValueError(f"--sweep {text!r}: values must be integers") from None
+    if not vals or min(vals) < 1:
+        raise ValueError(f"--sweep {text!r}: give positive values")
+    return name, vals
+
+
+def run_sweep(name: str, values: list[int], num_prompts: int, output_cap: int, dtype: str = "float32",
+              model: str = "default", engine_kw: dict | None = None, plot_path: str | None = None) -> dict:
+    """The same workload at each setting: the throughput-latency curve."""
+    from .models.loader import load_hf_model, load_tokenizer, resolve_model
+
+    source = resolve_model(model)
+    tokenizer = load_tokenizer(source)
+    items = sample_sharegpt(tokenizer, num_prompts, output_cap)
+    hf_model = load_hf_model(source)
+    rows = []
+    for v in values:
+        kw = dict(engine_kw or {})
+        kw[name] = v
+        r = run_batchgen(hf_model, tokenizer, items, dtype, source.identity, **kw).row()
+        r[name] = v
+        log.info("%s=%d: %.1f output tok/s, ITL p50 %s s", name, v, r["output_tok_s"], r["itl_s"]["p50"])
+        rows.append(r)
+    report = {"sweep": name, "values": values, "dtype": dtype, "num_prompts": len(items), "output_cap": output_cap,
+              "rows": rows}
+    if plot_path:
+        plot_sweep(report, plot_path)
+        report["plot"] = plot_path
+    return report
+
+
+def plot_sweep(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    name = report["sweep"]
+    xs = [r["itl_s"]["p50"] * 1000 if r["itl_s"]["p50"] is not None else 0.0 for r in report["rows"]]
+    ys = [r["output_tok_s"] for r in report["rows"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs, ys, marker="o")
+    for x, y, r in zip(xs, ys, report["rows"]):
+        ax.annotate(f"{name}={r[name]}", (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xlabel("inter-token latency p50 (ms)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"batchgen throughput vs latency ({report['dtype']}, {report['num_prompts']} ShareGPT prompts)")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_sweep(report: dict) -> str:
+    name = report["sweep"]
+    lines = [f"{name:>22s} {'out tok/s':>10s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'ITL p50':>9s} {'ITL p99':>9s} "
+             f"{'preempt':>8s}"]
+    for r in report["rows"]:
+        t, i = r["ttft_s"], r["itl_s"]
+
+        def f(x):
+            return f"{x:9.3f}" if x is not None else f"{'-':>9s}"
+
+        lines.append(f"{r[name]:22d} {r['output_tok_s']:10.1f} {f(t['p50'])} {f(t['p99'])} {f(i['p50'])} {f(i['p99'])} "
+                     f"{r['preemptions']:8d}")
+    if report.get("plot"):
+        lines.append(f"plot: {report['plot']}")
+    return "\n".join(lines)

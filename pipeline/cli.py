@@ -121,11 +121,30 @@ def bench(num_prompts: int = typer.Option(256, "--num-prompts", min=1, help="Sha
           model: str = typer.Option("default", "--model", help="Model: default, HF folder or .gguf"),
           max_num_seqs: int = typer.Option(256, "--max-num-seqs", min=1),
           max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", min=1),
-          json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report as JSON here")) -> None:
+          json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report as JSON here"),
+          sweep: Optional[str] = typer.Option(None, "--sweep", help="NAME=v1,v2,...: measure the workload at each "
+                                              "setting (max_num_seqs, max_num_batched_tokens, block_size)"),
+          plot: Path = typer.Option(Path("out/sweep.png"), "--plot", help="PNG of throughput vs ITL for --sweep")) -> None:
     """Throughput on a ShareGPT workload (sampled as vLLM's benchmark_throughput), side by side with
-    transformers' peers, with this CPU's GEMM ceiling and the ratios."""
+    transformers' peers, with this CPU's GEMM ceiling and the ratios. With --sweep: the
+    throughput-latency curve (a table and a PNG plot) instead."""
     _setup_logging()
-    from .bench import format_report, run_bench
+    from .bench import format_report, format_sweep, parse_sweep, run_bench, run_sweep
+
+    if sweep:
+        try:
+            name, values = parse_sweep(sweep)
+        except ValueError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2)
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        kw = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
+        report = run_sweep(name, values, num_prompts, output_cap, dtypes.split(",")[0], model, kw, str(plot))
+        typer.echo(format_sweep(report))
+        if json_out:
+            json_out.parent.mkdir(parents=True, exist_ok=True)
+            json_out.write_text(json.dumps(report, indent=1))
+        return
 
     report = run_bench(num_prompts, output_cap, [d for d in dtypes.split(",") if d],
                        [p for p in peers.split(",") if p], peer_num_prompts or None, model,

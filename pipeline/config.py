@@ -35,7 +35,10 @@ class DatasetSpec(Strict):
 
 
 class InputSpec(Strict):
-    path: str | list[str] | None = Field(None, description="Parquet file, glob, directory, or a list of them")
+    format: Literal["parquet", "openai_batch"] = Field(
+        "parquet", description="parquet, or openai_batch: OpenAI Batch API JSONL (custom_id, body.messages, "
+                               "body.max_tokens, temperature, top_p, stop, seed)")
+    path: str | list[str] | None = Field(None, description="Parquet (or JSONL) file, glob, directory, or a list of them")
     dataset: DatasetSpec | None = None
     prompt_column: str | None = Field(None, description="Column of prompt strings (default 'prompt' unless messages_column is set)")
     messages_column: str | None = Field(None, description="Column of chat messages: a list of {role, content}")
@@ -51,6 +54,14 @@ class InputSpec(Strict):
     def _one_source_one_prompt(self) -> "InputSpec":
         if (self.path is None) == (self.dataset is None):
             raise ValueError("give exactly one of input.path or input.dataset")
+        if self.format == "openai_batch":
+            if self.dataset is not None or self.prompt_column or self.id_column or self.passthrough_columns \
+                    or self.sampling_columns:
+                raise ValueError("input.format openai_batch reads custom_id and body.* itself: give only path "
+                                 "(and optionally system_prompt, chat_template)")
+            if self.messages_column != "body.messages":  # assignment re-runs this validator
+                self.messages_column = "body.messages"
+            return self
         if self.prompt_column and self.messages_column:
             raise ValueError("give input.prompt_column or input.messages_column, not both")
         if not self.prompt_column and not self.messages_column:
@@ -67,6 +78,8 @@ class InputSpec(Strict):
 
 class OutputSpec(Strict):
     path: str = Field(description="Output folder: part files, ledger and summary.json")
+    openai_jsonl: bool | None = Field(None, description="Also write OpenAI-style results.jsonl and errors.jsonl when "
+                                                       "the job completes (default: true for openai_batch input)")
     rows_per_part: int = Field(1000, ge=1, description="Rows per Parquet part file")
     flush_interval_s: float = Field(60.0, gt=0, description="Write a part at least this often, even if not full")
     order: Literal["completion", "input"] = Field(
@@ -110,6 +123,9 @@ class EngineSpec(Strict):
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="auto: Triton kernels on CUDA, torch on CPU; torch forces the torch path on CUDA")
     seed: int = Field(0, description="Seed of the shared stream used by unseeded rows")
+    profile: Literal["throughput", "latency"] = Field(
+        "throughput", description="throughput: as configured; latency: caps the batch at 16 sequences and 512 "
+                                  "tokens a step to keep inter-token latency low")
 
 
 class JobSpec(Strict):

@@ -45,7 +45,7 @@ def engine_config(spec: JobSpec):
                         prefix_caching=e.prefix_caching, cpu_offload_gib=e.cpu_offload_gib, preemption=e.preemption,
                         dtype=spec.model.dtype, device=spec.model.device,
                         linear_path=e.linear_path, decode_attention=e.decode_attention,
-                        attention_backend=e.attention_backend, seed=e.seed)
+                        attention_backend=e.attention_backend, seed=e.seed, profile=e.profile)
 
 
 def context_length(spec: JobSpec, model_config) -> int:
@@ -180,6 +180,7 @@ class Progress:
         self.interval = interval_s
         self.start = time.monotonic()
         self.last = self.start
+        self._last_tokens = (0, 0)
         self.bar = None
         if self.tty:
             from tqdm import tqdm
@@ -196,14 +197,20 @@ class Progress:
             self.bar.refresh()
             return
         if now - self.last >= self.interval or done == self.total:
-            self.last = now
             eta = (now - self.start) / done * (self.total - done) if done else float("nan")
             extra = ""
             if engine is not None:
                 sch = engine.scheduler
-                extra = (f", running {len(sch.running)}, waiting {len(sch.waiting)}, kv {engine.kv_manager.usage():.0%}, "
-                         f"prefix hits {engine.kv_manager.prefix_hit_rate():.0%}, preemptions {sch.stats.num_preemptions}")
+                st = sch.stats
+                dt = max(now - self.last, 1e-9)
+                pre_rate = (st.prefill_tokens - self._last_tokens[0]) / dt
+                dec_rate = (st.decode_tokens - self._last_tokens[1]) / dt
+                self._last_tokens = (st.prefill_tokens, st.decode_tokens)
+                extra = (f", running {len(sch.running)}, waiting {len(sch.waiting)}, finished {done}, "
+                         f"kv {engine.kv_manager.usage():.0%}, prefix hits {engine.kv_manager.prefix_hit_rate():.0%}, "
+                         f"prefill {pre_rate:.0f} tok/s, decode {dec_rate:.0f} tok/s, preemptions {st.num_preemptions}")
             log.info("progress: %d/%d rows, %.1f output tok/s, ETA %.0fs%s", done, self.total, rate, eta, extra)
+            self.last = now
 
     def close(self) -> None:
         if self.bar is not None:
@@ -224,7 +231,7 @@ def run_job(spec: JobSpec, restart: bool = False, limit: int | None = None) -> d
         todo = [i for i, rid in enumerate(rows.ids) if rid not in done]
         if not todo:
             log.info("nothing to do: all %d rows of %s are already done", len(rows), spec.output.path)
-            _compact_if_needed(store, spec, rows, complete=True)
+            _finish_outputs(store, spec, rows, True, spec.model.path)
             return {"status": "already_complete", "rows_total": len(rows), "rows_done": len(done)}
         if limit is not None:
             todo = todo[:limit]
@@ -242,7 +249,7 @@ def run_job(spec: JobSpec, restart: bool = False, limit: int | None = None) -> d
         summary = _generate(spec, source, rows, prepared, sink, stats, t0, tokenizer)
         sink.flush()
         complete = len(done) + sink.rows_done == len(rows)
-        _compact_if_needed(store, spec, rows, complete)
+        _finish_outputs(store, spec, rows, complete, spec.model.path)
         summary.update(rows_total=len(rows), rows_done=len(done) + sink.rows_done, complete=complete)
         atomic_write_json(Path(spec.output.path) / "summary.json", summary)
         if summary.get("interrupted"):
@@ -251,6 +258,17 @@ def run_job(spec: JobSpec, restart: bool = False, limit: int | None = None) -> d
         return summary
     finally:
         store.release_lock()
+
+
+def _finish_outputs(store: OutputStore, spec: JobSpec, rows: InputRows, complete: bool, model_name: str) -> None:
+    """Once every row is done: input-order compaction, then the OpenAI-style JSONL files."""
+    _compact_if_needed(store, spec, rows, complete)
+    want_jsonl = spec.output.openai_jsonl if spec.output.openai_jsonl is not None else spec.input.format == "openai_batch"
+    if complete and want_jsonl:
+        from .io.openai_batch import write_openai_results
+
+        n_ok, n_err = write_openai_results(store.part_files(), store.root, model_name)
+        log.info("wrote results.jsonl (%d) and errors.jsonl (%d)", n_ok, n_err)
 
 
 def _compact_if_needed(store: OutputStore, spec: JobSpec, rows: InputRows, complete: bool) -> None:

@@ -48,6 +48,9 @@ class EngineConfig:
     # "auto": Triton kernels on CUDA, torch on CPU; "triton" on a CPU needs TRITON_INTERPRET=1.
     attention_backend: str = "auto"
     seed: int = 0
+    # "throughput" (as configured) or "latency": caps the batch at LATENCY_MAX_SEQS sequences
+    # and LATENCY_MAX_TOKENS tokens a step, trading throughput for low inter-token latency.
+    profile: str = "throughput"
     # Waiting requests kept in the scheduler ahead of need, as a multiple of max_num_seqs.
     lookahead: int = 4
     # Longest prompt + max_tokens the caller will send; caps the default KV budget at what
@@ -110,12 +113,24 @@ def available_memory_bytes(device: torch.device) -> int:
     return 8 << 30
 
 
+LATENCY_MAX_SEQS = 16
+LATENCY_MAX_TOKENS = 512
+
+
 class Engine:
     """Continuous batching on a paged KV cache. Build it from a model spec or a loaded
     transformers model; feed it GenerationRequests; results stream out as they finish."""
 
     def __init__(self, hf_model, tokenizer, config: EngineConfig | None = None, model_identity: str = "") -> None:
-        self.config = cfg = config or EngineConfig()
+        cfg = config or EngineConfig()
+        if cfg.profile not in ("throughput", "latency"):
+            raise ConfigError(f"engine.profile: {cfg.profile!r} is not one of throughput, latency")
+        if cfg.profile == "latency":
+            from dataclasses import replace as _replace
+
+            cfg = _replace(cfg, max_num_seqs=min(cfg.max_num_seqs, LATENCY_MAX_SEQS),
+                           max_num_batched_tokens=min(cfg.max_num_batched_tokens, LATENCY_MAX_TOKENS))
+        self.config = cfg
         self.tokenizer = tokenizer
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
@@ -278,7 +293,9 @@ class Engine:
             "attention_backend": self.attention_backend,
             "num_kv_blocks": self.num_blocks, "block_size": self.config.block_size,
             "kv_cache_bytes": self.kv_cache.bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
-            "max_model_len": self.max_model_len, "steps": s.num_steps, "preemptions": s.num_preemptions,
+            "max_model_len": self.max_model_len, "profile": self.config.profile,
+            "max_num_seqs": self.config.max_num_seqs, "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "steps": s.num_steps, "preemptions": s.num_preemptions,
             "prefill_tokens": s.prefill_tokens, "decode_tokens": s.decode_tokens, "peak_running": s.peak_running,
             "peak_kv_blocks": s.peak_kv_blocks, "prefix_hit_rate": round(self.kv_manager.prefix_hit_rate(), 4),
             "prefix_cache_evictions": self.kv_manager.pool.num_evictions,

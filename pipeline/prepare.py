@@ -66,6 +66,9 @@ def build_texts(rows: InputRows, spec: JobSpec, tokenizer, chat: bool) -> tuple[
     system = spec.input.system_prompt
     col = spec.input.messages_column or spec.input.prompt_column
     for i in range(len(rows)):
+        if i in rows.errors:
+            errors[i] = rows.errors[i]
+            continue
         if rows.messages is not None:
             msgs = rows.messages[i]
             err = _messages_error(msgs)
@@ -97,7 +100,10 @@ def row_sampling(rows: InputRows, spec: JobSpec, i: int, base: SamplingParams) -
         v = values[i]
         if v is None:
             continue
-        col = spec.input.sampling_columns[fld]
+        if fld == "stop":
+            changes["stop"] = tuple(v)
+            continue
+        col = spec.input.sampling_columns.get(fld, f"body.{fld}")
         try:
             changes[fld] = type(getattr(base, fld) if getattr(base, fld) is not None else 0)(v)
             SamplingCheck.check(fld, changes[fld])

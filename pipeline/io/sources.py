@@ -37,6 +37,8 @@ class InputRows:
     messages: list | None  # list[list[dict] | None] when messages_column is used
     passthrough: dict[str, tuple[pa.DataType, list]] = field(default_factory=dict)
     overrides: dict[str, list] = field(default_factory=dict)
+    # Rows known bad while reading (e.g. a malformed JSONL line): row index -> message.
+    errors: dict[int, str] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -46,8 +48,12 @@ class InputRows:
         return f"{s.path}, row {self.row_in_shard[i]} (id {self.ids[i]!r})"
 
 
-def resolve_paths(paths: list[str]) -> list[Path]:
-    """Expand files, globs and directories into a sorted, de-duplicated list of Parquet files."""
+def resolve_jsonl_paths(paths: list[str]) -> list[Path]:
+    return resolve_paths(paths, suffix=".jsonl")
+
+
+def resolve_paths(paths: list[str], suffix: str = ".parquet") -> list[Path]:
+    """Expand files, globs and directories into a sorted, de-duplicated list of input files."""
     out: list[Path] = []
     for p in paths:
         if any(c in p for c in "*?["):
@@ -56,9 +62,9 @@ def resolve_paths(paths: list[str]) -> list[Path]:
                 raise InputError(f"input.path: the glob {p!r} matches no file (relative to {os.getcwd()})")
             out.extend(matches)
         elif os.path.isdir(p):
-            matches = sorted(Path(p).rglob("*.parquet"))
+            matches = sorted(Path(p).rglob(f"*{suffix}"))
             if not matches:
-                raise InputError(f"input.path: the directory {p!r} holds no .parquet file")
+                raise InputError(f"input.path: the directory {p!r} holds no {suffix} file")
             out.extend(matches)
         elif os.path.isfile(p):
             out.append(Path(p))
@@ -143,6 +149,10 @@ def scan_parquet(spec: InputSpec) -> list[tuple[Shard, pq.ParquetFile]]:
 
 
 def read_input(spec: InputSpec) -> InputRows:
+    if spec.format == "openai_batch":
+        from .openai_batch import read_openai_batch
+
+        return read_openai_batch(spec)
     if spec.dataset is not None:
         table = load_dataset_table(spec)
         shard = Shard(f"{Path(spec.dataset.path).name}-{spec.dataset.split}", spec.dataset.path, table.num_rows)
