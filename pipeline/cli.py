@@ -45,14 +45,36 @@ def _fail(err: BatchgenError) -> None:
 def run(job: Path = JOB_ARG,
         restart: bool = typer.Option(False, "--restart", help="Discard existing output of this job and start over"),
         limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Run at most N of the rows not yet done"),
+        shard: Optional[str] = typer.Option(None, "--shard", help="I/N: run task I (0-based) of N; defaults to "
+                                            "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT when set"),
+        data_parallel: Optional[int] = typer.Option(None, "--data-parallel", min=1,
+                                                    help="Engine processes on this node (overrides engine.data_parallel)"),
+        runner: str = typer.Option("local", "--runner", help="local, or ray (Ray Data; needs batchgen[ray])"),
         set_: Optional[List[str]] = SET_OPT) -> None:
     """Run a job, or resume it from its ledger. Results go to output.path as Parquet parts."""
     _setup_logging()
     from .config import load_job
     from .job import run_job
+    from .shard import parse_shard
 
     try:
-        summary = run_job(load_job(job, set_), restart=restart, limit=limit)
+        spec = load_job(job, set_)
+        dp = data_parallel or spec.engine.data_parallel
+        if runner == "ray":
+            from .ray_runner import run_ray
+
+            summary = run_ray(spec, restart=restart, limit=limit, num_actors=dp)
+        elif runner != "local":
+            raise BatchgenError(f"--runner: {runner!r} is not one of local, ray")
+        elif dp > 1:
+            from .parallel import run_data_parallel
+
+            summary = run_data_parallel(spec, dp, restart=restart, limit=limit)
+            typer.echo(f"done: {summary['rows_ok']} ok, {summary['rows_error']} errors over {dp} workers; "
+                       f"{summary['rows_done']}/{summary['rows_total']} rows of the job are done")
+            return
+        else:
+            summary = run_job(spec, restart=restart, limit=limit, shard=parse_shard(shard))
     except BatchgenError as e:
         _fail(e)
     if summary.get("status") == "already_complete":
@@ -61,6 +83,21 @@ def run(job: Path = JOB_ARG,
     typer.echo(f"done: {summary['rows_ok']} ok, {summary['rows_error']} errors, "
                f"{summary['completion_tokens']} tokens at {summary['output_tokens_per_s']} tok/s; "
                f"{summary['rows_done']}/{summary['rows_total']} rows of the job are done")
+
+
+@app.command()
+def merge(job: Path = JOB_ARG, set_: Optional[List[str]] = SET_OPT) -> None:
+    """Compact all tasks' parts into output.path/merged/, ordered by id, after checking that
+    every input id is present exactly once."""
+    _setup_logging()
+    from .config import load_job
+    from .job import merge_job
+
+    try:
+        res = merge_job(load_job(job, set_))
+    except BatchgenError as e:
+        _fail(e)
+    typer.echo(f"merged {res['rows']} rows ({res['ids']} ids) into {res['parts']} part(s) at {res['path']}")
 
 
 @app.command()

@@ -123,6 +123,9 @@ class EngineSpec(Strict):
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="auto: Triton kernels on CUDA, torch on CPU; torch forces the torch path on CUDA")
     seed: int = Field(0, description="Seed of the shared stream used by unseeded rows")
+    grace_s: float = Field(60.0, ge=0, description="After SIGTERM/SIGUSR1: seconds in-flight requests may finish "
+                                                   "before the run flushes and exits 75")
+    data_parallel: int = Field(1, ge=1, description="Engine processes on this node, one per device, disjoint shards")
     profile: Literal["throughput", "latency"] = Field(
         "throughput", description="throughput: as configured; latency: caps the batch at 16 sequences and 512 "
                                   "tokens a step to keep inter-token latency low")

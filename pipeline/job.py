@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from .config import JobSpec
-from .errors import Interrupted
+from .errors import BatchgenError, Interrupted
 from .io.sources import InputRows, read_input
 from .io.store import OutputStore, atomic_write_json
 from .metrics import latency_summary, peak_rss_bytes
@@ -174,9 +175,10 @@ class StopFlag:
 class Progress:
     """A tqdm bar on a TTY; periodic plain log lines otherwise (cron, Slurm)."""
 
-    def __init__(self, total: int, interval_s: float = 30.0) -> None:
+    def __init__(self, total: int, interval_s: float = 30.0, enabled: bool = True) -> None:
         self.total = total
-        self.tty = sys.stderr.isatty()
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty() and enabled
         self.interval = interval_s
         self.start = time.monotonic()
         self.last = self.start
@@ -188,6 +190,8 @@ class Progress:
             self.bar = tqdm(total=total, unit="row", dynamic_ncols=True)
 
     def update(self, done: int, out_tokens: int, engine=None) -> None:
+        if not self.enabled:
+            return
         now = time.monotonic()
         rate = out_tokens / max(now - self.start, 1e-9)
         if self.bar is not None:
@@ -217,17 +221,24 @@ class Progress:
             self.bar.close()
 
 
-def run_job(spec: JobSpec, restart: bool = False, limit: int | None = None) -> dict:
-    """Run (or resume) a job. Returns the summary; raises BatchgenError subclasses on failure."""
+def run_job(spec: JobSpec, restart: bool = False, limit: int | None = None, shard: tuple[int, int] | None = None,
+            progress: bool = True) -> dict:
+    """Run (or resume) a job, or one shard of it. Returns the summary; raises BatchgenError
+    subclasses on failure."""
     from .models.loader import load_config, load_tokenizer, resolve_model
+    from .shard import select_shard, task_root
 
     t0 = time.monotonic()
-    rows = read_input(spec.input)
+    rows = select_shard(read_input(spec.input), shard)
     source = resolve_model(spec.model.path)
-    store = OutputStore(spec.output.path)
+    out_dir = task_root(spec.output.path, shard)
+    store = OutputStore(out_dir)
     store.acquire_lock()
     try:
-        done = store.open(fingerprint(spec, rows, source.identity), restart)
+        fp = fingerprint(spec, rows, source.identity)
+        if shard is not None:
+            fp["shard"] = f"{shard[0]}/{shard[1]}"
+        done = store.open(fp, restart)
         todo = [i for i, rid in enumerate(rows.ids) if rid not in done]
         if not todo:
             log.info("nothing to do: all %d rows of %s are already done", len(rows), spec.output.path)
@@ -246,12 +257,14 @@ def run_job(spec: JobSpec, restart: bool = False, limit: int | None = None) -> d
         sink = ResultSink(store, spec, rows, stats)
         for i, msg in sorted(prepared.errors.items()):
             sink.add_error(rows.ids[i], msg)
-        summary = _generate(spec, source, rows, prepared, sink, stats, t0, tokenizer)
+        summary = _generate(spec, source, rows, prepared, sink, stats, t0, tokenizer, progress)
         sink.flush()
         complete = len(done) + sink.rows_done == len(rows)
         _finish_outputs(store, spec, rows, complete, spec.model.path)
         summary.update(rows_total=len(rows), rows_done=len(done) + sink.rows_done, complete=complete)
-        atomic_write_json(Path(spec.output.path) / "summary.json", summary)
+        if shard is not None:
+            summary["shard"] = f"{shard[0]}/{shard[1]}"
+        atomic_write_json(out_dir / "summary.json", summary)
         if summary.get("interrupted"):
             raise Interrupted(f"stopped by signal {summary['interrupted']} after committing finished rows; "
                               "rerun the same command to resume")
@@ -282,7 +295,8 @@ def _compact_if_needed(store: OutputStore, spec: JobSpec, rows: InputRows, compl
         store.compact(key, spec.output.rows_per_part)
 
 
-def _generate(spec, source, rows, prepared, sink: ResultSink, stats: RunStats, t0: float, tokenizer) -> dict:
+def _generate(spec, source, rows, prepared, sink: ResultSink, stats: RunStats, t0: float, tokenizer,
+              show_progress: bool = True) -> dict:
     from .llm import Engine, GenerationRequest
     from .models.loader import load_hf_model
 
@@ -297,10 +311,10 @@ def _generate(spec, source, rows, prepared, sink: ResultSink, stats: RunStats, t
         log.info("model loaded in %.1fs", time.monotonic() - t_load)
         requests = (GenerationRequest(rows.ids[i], list(prepared.token_ids[i]), prepared.sampling[i])
                     for i in prepared.order)
-        progress = Progress(len(prepared.order) + len(prepared.errors))
+        progress = Progress(len(prepared.order) + len(prepared.errors), enabled=show_progress)
         gen_start = time.monotonic()
         with StopFlag() as stop:
-            for res in engine.generate(requests, should_stop=lambda: bool(stop)):
+            for res in engine.generate(requests, should_stop=lambda: bool(stop), grace_s=spec.engine.grace_s):
                 sink.add(res.request_id, res.sample_index, res.text, res.finish_reason, res.error,
                          res.prompt_tokens, res.completion_tokens, res.ttft_s, res.itl_s)
                 stats.cached_tokens += res.cached_tokens
@@ -324,19 +338,72 @@ def _generate(spec, source, rows, prepared, sink: ResultSink, stats: RunStats, t
     return summary
 
 
+def done_ids(output_path: str) -> set[str]:
+    """Ids committed by the unsharded run and every task, from their ledgers."""
+    from .shard import all_roots
+
+    done: set[str] = set()
+    for root in all_roots(output_path):
+        for e in OutputStore(root).entries().values():
+            done.update(e["ids"])
+    return done
+
+
 def job_status(spec: JobSpec) -> dict:
-    """Rows done/total per shard, from the ledger (no model, no lock)."""
+    """Rows done/total per input shard, over all tasks, from the ledgers (no model, no lock)."""
+    from .shard import all_roots
+
     rows = read_input(spec.input)
-    store = OutputStore(spec.output.path)
-    done = set()
-    for e in store.entries().values():
-        done.update(e["ids"])
+    done = done_ids(spec.output.path)
     per_shard = []
     for si, shard in enumerate(rows.shards):
         ids = [rid for rid, s in zip(rows.ids, rows.shard_of) if s == si]
         per_shard.append({"shard": shard.name, "path": shard.path, "rows": len(ids),
                           "done": sum(1 for rid in ids if rid in done)})
     summary_path = Path(spec.output.path) / "summary.json"
+    tasks = [str(r) for r in all_roots(spec.output.path) if r != Path(spec.output.path)]
     return {"output": spec.output.path, "rows": len(rows), "done": sum(s["done"] for s in per_shard),
-            "shards": per_shard,
+            "shards": per_shard, "tasks": tasks,
             "last_summary": json.loads(summary_path.read_text()) if summary_path.exists() else None}
+
+
+def merge_job(spec: JobSpec) -> dict:
+    """Compact every task's parts into output.path/merged/, ordered by id, after checking that
+    every input id is present exactly once (n times with sampling.n > 1)."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from .io.store import atomic_write, fsync_dir
+    from .shard import all_roots
+
+    rows = read_input(spec.input)
+    files = [f for root in all_roots(spec.output.path) for f in OutputStore(root).part_files()]
+    if not files:
+        raise BatchgenError(f"{spec.output.path}: no committed parts to merge; run the job first")
+    table = pa.concat_tables([pq.read_table(f) for f in files], promote_options="default")
+    counts: dict[str, int] = {}
+    for rid in table.column("id").to_pylist():
+        counts[rid] = counts.get(rid, 0) + 1
+    n = spec.sampling.n
+    missing = [rid for rid in rows.ids if rid not in counts]
+    dupes = [rid for rid, c in counts.items() if c != n]
+    extra = sorted(set(counts) - set(rows.ids))
+    if missing or dupes or extra:
+        raise BatchgenError(f"{spec.output.path}: cannot merge: {len(missing)} ids missing (e.g. {missing[:3]}), "
+                            f"{len(dupes)} ids not present exactly {n}x (e.g. {dupes[:3]}), "
+                            f"{len(extra)} ids not in the input (e.g. {extra[:3]}); run the remaining tasks first")
+    keys = ["id"] + (["sample_index"] if n > 1 else [])
+    table = table.sort_by([(k, "ascending") for k in keys])
+    out = Path(spec.output.path) / "merged"
+    tmp = out.with_name(f".merged.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    per = spec.output.rows_per_part
+    for k, start in enumerate(range(0, table.num_rows, per)):
+        chunk = table.slice(start, per)
+        atomic_write(tmp / f"part-{k:06d}.parquet", lambda f, c=chunk: pq.write_table(c, f))
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(tmp, out)
+    fsync_dir(out.parent)
+    return {"rows": table.num_rows, "ids": len(counts), "parts": -(-table.num_rows // per), "path": str(out)}

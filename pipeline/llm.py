@@ -215,17 +215,26 @@ class Engine:
 
     # -- generation ------------------------------------------------------------------------
 
-    def generate(self, requests: Iterable[GenerationRequest], should_stop=None) -> Iterator[GenerationResult]:
+    def generate(self, requests: Iterable[GenerationRequest], should_stop=None,
+                 grace_s: float = 0.0) -> Iterator[GenerationResult]:
         """Run every request; yield each result (one per sample) as soon as it finishes.
-        should_stop() is asked before every step; when it says yes, generation ends and the
-        requests still in flight are dropped."""
+        should_stop() is asked before every step; once it says yes, nothing new is admitted,
+        running requests get up to grace_s seconds to finish, and the rest are dropped."""
         pending = iter(requests)
         exhausted = False
         sched = self.scheduler
         target = self.config.max_num_seqs * self.config.lookahead
+        deadline = None
         while True:
-            if should_stop is not None and should_stop():
-                return
+            if deadline is None and should_stop is not None and should_stop():
+                deadline = time.monotonic() + grace_s
+                sched.admitting = False
+                log.info("stop requested: draining %d running requests for up to %.0fs", len(sched.running), grace_s)
+            if deadline is not None:
+                if not sched.running or time.monotonic() >= deadline:
+                    return
+                yield from self.step()
+                continue
             while not exhausted and len(sched.waiting) < target:
                 req = next(pending, None)
                 if req is None:

@@ -35,7 +35,7 @@ def write_prompts(path, n=20, id_prefix="r", extra=None, prompts=None):
 def write_job(tmp_path, model, input_path, out="out", **sections):
     import yaml
 
-    job = {"model": str(model), "input": {"path": str(input_path), "prompt_column": "prompt", "id_column": "id"},
+    job = {"model": model if isinstance(model, dict) else str(model), "input": {"path": str(input_path), "prompt_column": "prompt", "id_column": "id"},
            "output": {"path": str(tmp_path / out), "rows_per_part": 4},
            "sampling": {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True},
            "engine": {"kv_cache_gib": 0.05}}

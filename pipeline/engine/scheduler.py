@@ -54,6 +54,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._rejected: list[Request] = []
+        # False while draining (a stop signal): running requests finish, nobody new starts.
+        self.admitting = True
 
     # -- admission -------------------------------------------------------------------------
 
@@ -104,7 +106,7 @@ class Scheduler:
                 continue
             scheduled.append((req, n))
             budget -= n
-        if not out.preempted:
+        if not out.preempted and self.admitting:
             budget = self._admit(budget, scheduled)
         out.seqs = [self._scheduled_seq(req, n) for req, n in scheduled]
         out.copy_to_cpu, out.copy_to_device = self.kv.take_transfers()

@@ -43,6 +43,18 @@ class InputRows:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def subset(self, keep: list[int]) -> "InputRows":
+        """The rows at `keep` (in order); shards are kept whole so their names stay stable."""
+        pos = {old: new for new, old in enumerate(keep)}
+        return InputRows(
+            shards=self.shards, ids=[self.ids[i] for i in keep], shard_of=[self.shard_of[i] for i in keep],
+            row_in_shard=[self.row_in_shard[i] for i in keep],
+            prompts=[self.prompts[i] for i in keep] if self.prompts is not None else None,
+            messages=[self.messages[i] for i in keep] if self.messages is not None else None,
+            passthrough={c: (t, [v[i] for i in keep]) for c, (t, v) in self.passthrough.items()},
+            overrides={f: [v[i] for i in keep] for f, v in self.overrides.items()},
+            errors={pos[i]: m for i, m in self.errors.items() if i in pos})
+
     def where(self, i: int) -> str:
         s = self.shards[self.shard_of[i]]
         return f"{s.path}, row {self.row_in_shard[i]} (id {self.ids[i]!r})"

@@ -1,0 +1,5 @@
+from .errors import BatchgenError
+
+
+def run_ray(*a, **k):
+    raise BatchgenError('--runner ray: not available yet')
