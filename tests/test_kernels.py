@@ -12,6 +12,7 @@ from batchgen.kernels.paged_prefill import paged_prefill, paged_prefill_referenc
 from batchgen.kernels.store_kv import store_kv, store_kv_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SEED = int(__import__("os").environ.get("BATCHGEN_KERNEL_SEED", "5"))
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (kv_heads, GQA ratio, head_dim, block_size)
 SHAPES = [(2, 1, 64, 16), (1, 3, 64, 32), (2, 8, 128, 16), (1, 8, 64, 32), (3, 3, 128, 32)]
@@ -45,10 +46,17 @@ def block_tables_for(lengths, bs, num_blocks, seed=1):
     return torch.tensor(rows, dtype=torch.int32, device=DEVICE)
 
 
+def rand(*shape, dtype, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
 def assert_flash_tolerance(out, ref32, ref_lowp):
+    """FlashAttention's rule, plus one rounding step of the output: the kernel must store its
+    result in the low precision, and on small shapes torch's own error can be below that."""
     err = (out.float() - ref32.float()).abs().max().item()
     base = (ref_lowp.float() - ref32.float()).abs().max().item()
-    assert err <= 2 * base + 1e-5, f"kernel error {err:.2e} > 2 x torch low-precision error {base:.2e}"
+    rounding = torch.finfo(out.dtype).eps * ref32.abs().max().item() if out.dtype != torch.float32 else 0.0
+    assert err <= 2 * base + rounding + 1e-5, f"kernel error {err:.2e} > 2 x torch low-precision error {base:.2e}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -58,9 +66,9 @@ def test_store_kv_matches_reference_and_skips_padding(shape, dtype):
     kc, vc = make_cache(8, bs, kvh, d, dtype)
     kc2, vc2 = kc.clone(), vc.clone()
     n = 2 * bs + 3
-    k = torch.randn(n, kvh, d).to(DEVICE, dtype)
-    v = torch.randn(n, kvh, d).to(DEVICE, dtype)
-    slots = torch.randperm(8 * bs)[:n].to(DEVICE)
+    k = rand(n, kvh, d, dtype=dtype, seed=2)
+    v = rand(n, kvh, d, dtype=dtype, seed=3)
+    slots = torch.randperm(8 * bs, generator=torch.Generator().manual_seed(4))[:n].to(DEVICE)
     slots[[0, 5]] = -1
     store_kv(k, v, kc, vc, slots)
     store_kv_reference(k, v, kc2, vc2, slots)
@@ -76,7 +84,7 @@ def test_paged_decode(shape, dtype):
     kc, vc = make_cache(nblocks, bs, kvh, d, dtype)
     tables = block_tables_for(lengths, bs, nblocks)
     lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(len(lengths), kvh * ratio, d).to(DEVICE, dtype)
+    q = rand(len(lengths), kvh * ratio, d, dtype=dtype, seed=SEED)
     scale = d ** -0.5
     out = paged_decode(q, kc, vc, tables, lens, scale, blocks_per_split=2)
     ref32 = paged_decode_reference(q.float(), kc.float(), vc.float(), tables, lens, scale)
@@ -96,7 +104,7 @@ def test_paged_prefill_with_cached_context(shape, dtype):
     tables = block_tables_for(totals, bs, nblocks)
     cu = torch.tensor([0] + list(torch.tensor([n for _, n in pairs]).cumsum(0)), dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(totals, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(int(cu[-1]), kvh * ratio, d).to(DEVICE, dtype)
+    q = rand(int(cu[-1]), kvh * ratio, d, dtype=dtype, seed=SEED)
     scale = d ** -0.5
     out = paged_prefill(q, kc, vc, tables, cu, lens, scale)
     ref32 = paged_prefill_reference(q.float(), kc.float(), vc.float(), tables, cu, lens, scale)
