@@ -80,8 +80,9 @@ def run(job: Path = JOB_ARG,
     if summary.get("status") == "already_complete":
         typer.echo(f"job already complete: {summary['rows_total']} rows; nothing to do")
         return
+    rate = f" at {summary['output_tokens_per_s']} tok/s" if summary.get("output_tokens_per_s") else ""
     typer.echo(f"done: {summary['rows_ok']} ok, {summary['rows_error']} errors, "
-               f"{summary['completion_tokens']} tokens at {summary['output_tokens_per_s']} tok/s; "
+               f"{summary['completion_tokens']} tokens{rate}; "
                f"{summary['rows_done']}/{summary['rows_total']} rows of the job are done")
 
 

@@ -28,3 +28,9 @@ def test_ray_runner_exactly_once_and_resume(tmp_path, tiny_model_dir, local_ray)
     assert sorted(df["id"].to_list()) == [f"r{i:04d}" for i in range(9)]
     assert df.columns[:2] == ["id", "text"] and set(df.filter(pl.col("error").is_null())["completion_tokens"]) == {6}
     assert run_ray(job)["status"] == "already_complete"
+    from typer.testing import CliRunner
+
+    from batchgen.cli import app
+
+    r = CliRunner().invoke(app, ["run", str(tmp_path / "job.yaml"), "--runner", "ray"])
+    assert r.exit_code == 0 and "already complete" in r.output
