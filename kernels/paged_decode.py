@@ -14,7 +14,7 @@ from ._common import check, check_cache, check_same_device, pow2
 
 
 def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale,
-                           math_dtype=torch.float32) -> torch.Tensor:
+                           math_dtype=torch.float32, window: int = 0) -> torch.Tensor:
     """q [num_seqs, heads, dim] -> [num_seqs, heads, dim], computed in math_dtype."""
     nb, bs, kvh, d = k_cache.shape
     out = torch.empty_like(q)
@@ -25,6 +25,8 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scal
         k = k_cache[blocks].reshape(-1, kvh, d)[:n].to(math_dtype).repeat_interleave(group, 1)  # [n, heads, d]
         v = v_cache[blocks].reshape(-1, kvh, d)[:n].to(math_dtype).repeat_interleave(group, 1)
         s = torch.einsum("hd,nhd->hn", q[i].to(math_dtype), k) * scale
+        if window:
+            s[:, : max(0, n - window)] = float("-inf")
         out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
     return out
 
@@ -34,7 +36,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, acc_ptr, m_ptr,
                          stride_qs, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
                          stride_as, stride_ah, stride_ax, stride_ms, stride_mh,
                          GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr):
+                         BLOCK_SIZE: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, WINDOW: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -42,6 +44,10 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, acc_ptr, m_ptr,
     n_blocks = tl.cdiv(ctx, BLOCK_SIZE)
     first = split * BLOCKS_PER_SPLIT
     last = tl.minimum(first + BLOCKS_PER_SPLIT, n_blocks)
+    lo = 0  # first visible key: a sliding window skips whole blocks before it
+    if WINDOW > 0:
+        lo = tl.maximum(ctx - WINDOW, 0)
+        first = tl.maximum(first, lo // BLOCK_SIZE)
     g = tl.arange(0, GROUP_P)
     d = tl.arange(0, HEAD_DIM)
     s_off = tl.arange(0, BLOCK_SIZE)
@@ -58,7 +64,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, acc_ptr, m_ptr,
         k = tl.load(kc_ptr + kv_off).to(tl.float32)  # [BLOCK_SIZE, HEAD_DIM]
         v = tl.load(vc_ptr + kv_off).to(tl.float32)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_P, BLOCK_SIZE]
-        valid = (b * BLOCK_SIZE + s_off) < ctx
+        kpos = b * BLOCK_SIZE + s_off
+        valid = (kpos < ctx) & (kpos >= lo)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
@@ -93,8 +100,9 @@ def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_as, stride_ah, 
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, blocks_per_split: int = 16) -> torch.Tensor:
-    """q [num_seqs, heads, dim]; block_tables [num_seqs, max_blocks]; context_lens [num_seqs] (>= 1)."""
+                 context_lens: torch.Tensor, scale: float, blocks_per_split: int = 16, window: int = 0) -> torch.Tensor:
+    """q [num_seqs, heads, dim]; block_tables [num_seqs, max_blocks]; context_lens [num_seqs] (>= 1);
+    window > 0: each query sees only its last `window` keys."""
     nb, bs, kvh, d = check_cache(k_cache, v_cache)
     check(q.dim() == 3 and q.shape[2] == d, f"q must be [num_seqs, heads, {d}], got {tuple(q.shape)}")
     check(q.shape[1] % kvh == 0, f"{q.shape[1]} query heads are not a multiple of {kvh} KV heads")
@@ -121,7 +129,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, block_tables, context_lens, acc, m, l, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-        GROUP=group, GROUP_P=pow2(group), HEAD_DIM=d, BLOCK_SIZE=bs, BLOCKS_PER_SPLIT=blocks_per_split)
+        GROUP=group, GROUP_P=pow2(group), HEAD_DIM=d, BLOCK_SIZE=bs, BLOCKS_PER_SPLIT=blocks_per_split,
+        WINDOW=window)
     _decode_reduce_kernel[(n, heads)](
         acc, m, l, out, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         out.stride(0), out.stride(1), NUM_SPLITS=splits, SPLITS_P=pow2(splits), HEAD_DIM=d)

@@ -14,7 +14,7 @@ from ._common import check, check_cache, check_same_device
 
 
 def paged_prefill_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-                            math_dtype=torch.float32) -> torch.Tensor:
+                            math_dtype=torch.float32, window: int = 0) -> torch.Tensor:
     """q [num_tokens, heads, dim], packed by cu_seqlens_q; context_lens include the new tokens."""
     nb, bs, kvh, d = k_cache.shape
     group = q.shape[1] // kvh
@@ -27,7 +27,10 @@ def paged_prefill_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         v = v_cache[blocks].reshape(-1, kvh, d)[:total].to(math_dtype).repeat_interleave(group, 1)
         s = torch.einsum("qhd,khd->hqk", q[a:b].to(math_dtype), k) * scale
         qpos = torch.arange(total - n, total, device=q.device)[:, None]
-        s = s.masked_fill(torch.arange(total, device=q.device)[None, :] > qpos, float("-inf"))
+        kpos = torch.arange(total, device=q.device)[None, :]
+        s = s.masked_fill(kpos > qpos, float("-inf"))
+        if window:
+            s = s.masked_fill(kpos <= qpos - window, float("-inf"))
         out[a:b] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).to(q.dtype)
     return out
 
@@ -35,7 +38,8 @@ def paged_prefill_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
 @triton.jit
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, len_ptr, out_ptr, scale,
                     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr):
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                    WINDOW: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -57,14 +61,20 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, len_ptr, out_ptr, sca
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     last_pos = tl.minimum(first_pos + (tile + 1) * BLOCK_M, total)  # causal: no key past the tile's last query
-    for b in range(0, tl.cdiv(last_pos, BLOCK_SIZE)):
+    first_block = 0
+    if WINDOW > 0:  # no key before the first query's window
+        first_block = tl.maximum(first_pos + tile * BLOCK_M - WINDOW + 1, 0) // BLOCK_SIZE
+    for b in range(first_block, tl.cdiv(last_pos, BLOCK_SIZE)):
         phys = tl.load(bt_ptr + seq * stride_bt + b).to(tl.int64)
         off = phys * stride_cb + so[:, None] * stride_cs + kvh * stride_ch + d[None, :]
         k = tl.load(kc_ptr + off).to(tl.float32)
         v = tl.load(vc_ptr + off).to(tl.float32)
         s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_SIZE]
         kpos = b * BLOCK_SIZE + so
-        s = tl.where((kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < total), s, float("-inf"))
+        visible = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < total)
+        if WINDOW > 0:
+            visible = visible & (kpos[None, :] > qpos[:, None] - WINDOW)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # padding rows see no key at all
         alpha = tl.exp(m - m_safe)
@@ -79,7 +89,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, len_ptr, out_ptr, sca
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                  max_q_len: int | None = None, block_m: int = 16) -> torch.Tensor:
+                  max_q_len: int | None = None, block_m: int = 16, window: int = 0) -> torch.Tensor:
     """q [num_tokens, heads, dim] packed by cu_seqlens_q [num_seqs + 1]; context_lens [num_seqs]
     count cached plus new tokens; the new tokens' K/V must already be in the cache."""
     nb, bs, kvh, d = check_cache(k_cache, v_cache)
@@ -102,5 +112,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), GROUP=q.shape[1] // kvh, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_M=block_m)
+        out.stride(0), out.stride(1), GROUP=q.shape[1] // kvh, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_M=block_m,
+        WINDOW=window)
     return out

@@ -53,9 +53,6 @@ def context_length(spec: JobSpec, model_config) -> int:
     n = model_config.max_position_embeddings
     if spec.engine.max_model_len:
         n = min(n, spec.engine.max_model_len)
-    window = getattr(model_config, "sliding_window", None)
-    if window and getattr(model_config, "use_sliding_window", True):
-        n = min(n, window)
     return n
 
 

@@ -103,6 +103,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def sliding_window(config) -> int | None:
+    """The model's uniform sliding window (Mistral-style), or None for full attention."""
+    window = getattr(config, "sliding_window", None)
+    if not window or not getattr(config, "use_sliding_window", True):
+        return None
+    layers = getattr(config, "layer_types", None)
+    if layers and any(t != "sliding_attention" for t in layers):
+        raise ConfigError(f"model: mixed full/sliding attention layers ({config.model_type}) are not supported")
+    return int(window)
+
+
 def available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -141,10 +152,7 @@ class Engine:
         self.model = CausalLM(hf_model, self.dtype, str(self.device), linear_path)
         shape: ModelShape = self.model.shape
         self.max_model_len = min(cfg.max_model_len or shape.max_position, shape.max_position)
-        window = getattr(hf_model.config, "sliding_window", None)
-        if window and getattr(hf_model.config, "use_sliding_window", True) and window < self.max_model_len:
-            # Within the window, sliding and full attention agree exactly.
-            self.max_model_len = window
+        self.window = sliding_window(hf_model.config)
         self.kv_bytes_per_token = shape.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
         self.num_blocks = self._num_blocks(shape)
         block_bytes = cfg.block_size * self.kv_bytes_per_token
@@ -153,7 +161,7 @@ class Engine:
                                 shape.head_dim, self.dtype, self.device, self.num_cpu_blocks)
         salt = f"{model_identity}|{self.dtype}".encode()
         self.kv_manager = KVCacheManager(self.num_blocks, cfg.block_size, cfg.prefix_caching, salt,
-                                         self.num_cpu_blocks)
+                                         self.num_cpu_blocks, self.window)
         # Cost estimates for swap-or-recompute: host copies run ~10 GB/s on a CPU and ~20 GB/s
         # over PCIe; recompute costs 2 FLOP per parameter per token at ~150 GFLOP/s (this CPU,
         # measured) or ~300 TFLOP/s (H200 bf16, derated).
@@ -169,7 +177,7 @@ class Engine:
         if backend not in ("torch", "triton"):
             raise ConfigError(f"engine.attention_backend: {backend!r} is not one of auto, torch, triton")
         self.attention_backend = backend
-        self.runner = ModelRunner(self.model, self.kv_cache, cfg.decode_attention, cfg.seed, backend)
+        self.runner = ModelRunner(self.model, self.kv_cache, cfg.decode_attention, cfg.seed, backend, self.window)
         self.eos_token_ids = self._eos_ids(hf_model, tokenizer)
         log.info("engine: %s %s, linear=%s, KV cache %d blocks x %d tokens = %.2f GiB (%d B/token), "
                  "CPU tier %d blocks = %.2f GiB", self.device, str(self.dtype).replace("torch.", ""), linear_path,
@@ -302,7 +310,7 @@ class Engine:
             "attention_backend": self.attention_backend,
             "num_kv_blocks": self.num_blocks, "block_size": self.config.block_size,
             "kv_cache_bytes": self.kv_cache.bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
-            "max_model_len": self.max_model_len, "profile": self.config.profile,
+            "max_model_len": self.max_model_len, "sliding_window": self.window, "profile": self.config.profile,
             "max_num_seqs": self.config.max_num_seqs, "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "steps": s.num_steps, "preemptions": s.num_preemptions,
             "prefill_tokens": s.prefill_tokens, "decode_tokens": s.decode_tokens, "peak_running": s.peak_running,

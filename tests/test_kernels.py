@@ -75,9 +75,10 @@ def test_store_kv_matches_reference_and_skips_padding(shape, dtype):
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
+@pytest.mark.parametrize("window", [0, 20], ids=["full", "window20"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_paged_decode(shape, dtype):
+def test_paged_decode(shape, dtype, window):
     kvh, ratio, d, bs = shape
     lengths = ragged_lengths(bs)
     nblocks = sum(-(-n // bs) for n in lengths) + 4
@@ -86,15 +87,16 @@ def test_paged_decode(shape, dtype):
     lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     q = rand(len(lengths), kvh * ratio, d, dtype=dtype, seed=SEED)
     scale = d ** -0.5
-    out = paged_decode(q, kc, vc, tables, lens, scale, blocks_per_split=2)
-    ref32 = paged_decode_reference(q.float(), kc.float(), vc.float(), tables, lens, scale)
-    ref_lowp = paged_decode_reference(q, kc, vc, tables, lens, scale, math_dtype=dtype)
+    out = paged_decode(q, kc, vc, tables, lens, scale, blocks_per_split=2, window=window)
+    ref32 = paged_decode_reference(q.float(), kc.float(), vc.float(), tables, lens, scale, window=window)
+    ref_lowp = paged_decode_reference(q, kc, vc, tables, lens, scale, math_dtype=dtype, window=window)
     assert_flash_tolerance(out, ref32, ref_lowp)
 
 
+@pytest.mark.parametrize("window", [0, 20], ids=["full", "window20"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_paged_prefill_with_cached_context(shape, dtype):
+def test_paged_prefill_with_cached_context(shape, dtype, window):
     kvh, ratio, d, bs = shape
     # (cached tokens, new tokens): fresh prefills, a chunk after a prefix hit, a 1-token chunk.
     pairs = [(0, 1), (0, bs), (bs, bs + 3), (2 * bs - 1, 17), (5, 1)]
@@ -106,9 +108,9 @@ def test_paged_prefill_with_cached_context(shape, dtype):
     lens = torch.tensor(totals, dtype=torch.int32, device=DEVICE)
     q = rand(int(cu[-1]), kvh * ratio, d, dtype=dtype, seed=SEED)
     scale = d ** -0.5
-    out = paged_prefill(q, kc, vc, tables, cu, lens, scale)
-    ref32 = paged_prefill_reference(q.float(), kc.float(), vc.float(), tables, cu, lens, scale)
-    ref_lowp = paged_prefill_reference(q, kc, vc, tables, cu, lens, scale, math_dtype=dtype)
+    out = paged_prefill(q, kc, vc, tables, cu, lens, scale, window=window)
+    ref32 = paged_prefill_reference(q.float(), kc.float(), vc.float(), tables, cu, lens, scale, window=window)
+    ref_lowp = paged_prefill_reference(q, kc, vc, tables, cu, lens, scale, math_dtype=dtype, window=window)
     assert_flash_tolerance(out, ref32, ref_lowp)
 
 

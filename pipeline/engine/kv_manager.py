@@ -37,13 +37,16 @@ class TierStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, cache_salt: bytes = b"",
-                 num_cpu_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, window: int | None = None) -> None:
         self.block_size = block_size
+        # Sliding window: blocks no future query can see are freed after every step, leaving
+        # None in their place in the table (circular in effect: memory stays ~window/block_size).
+        self.window = window
         self.pool = BlockPool(num_blocks, enable_caching, on_evict=self._spill if num_cpu_blocks else None)
         self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching) if num_cpu_blocks else None
         # Salt goes into every block hash: blocks of another model or dtype never match.
         self.cache_salt = cache_salt
-        self._blocks: dict[str, list[Block]] = {}
+        self._blocks: dict[str, list[Block | None]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._swapped: dict[str, list[Block]] = {}
         # This step's copies, (device block, CPU block) and (CPU block, device block).
@@ -63,10 +66,33 @@ class KVCacheManager:
         return self.pool.num_used_blocks / self.pool.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        # A freed out-of-window slot reads block 0; attention masks those positions.
+        return [b.block_id if b is not None else 0 for b in self._blocks.get(request_id, ())]
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
+
+    def peak_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
+        """Most blocks one sequence of num_tokens holds at once (bounded by the window)."""
+        full = self.blocks_needed(num_tokens)
+        if not self.window:
+            return full
+        return min(full, cdiv(self.window + chunk_tokens, self.block_size) + 1)
+
+    def free_out_of_window(self, req: Request) -> None:
+        """Free the blocks whose every position is outside the window of all future queries:
+        the next query is at num_computed_tokens and sees keys > num_computed_tokens - window."""
+        if not self.window:
+            return
+        blocks = self._blocks.get(req.request_id)
+        if not blocks:
+            return
+        dead = min(len(blocks), max(0, (req.num_computed_tokens - self.window + 1) // self.block_size))
+        gone = [b for b in blocks[:dead] if b is not None]
+        if gone:
+            for i in range(dead):
+                blocks[i] = None
+            self.pool.free(gone)
 
     def _block_hashes(self, req: Request, num_full_blocks: int) -> list[bytes]:
         hashes = self._hashes.setdefault(req.request_id, [])
@@ -131,7 +157,7 @@ class KVCacheManager:
             self.tier.reloaded_blocks += len(hit.cpu)
             for src, dst in zip(hit.cpu, new):
                 self.pool.cache(dst, src.block_hash)
-        return [b.block_id for b in blocks]
+        return self.block_ids(req.request_id)
 
     def cache_blocks(self, req: Request) -> None:
         """Publish the request's blocks that are now full of computed tokens."""
@@ -141,7 +167,8 @@ class KVCacheManager:
         blocks = self._blocks.get(req.request_id, [])
         hashes = self._block_hashes(req, num_full)
         for block, h in zip(blocks[:num_full], hashes):
-            self.pool.cache(block, h)
+            if block is not None:
+                self.pool.cache(block, h)
 
     def _spill(self, block: Block, block_hash: bytes) -> None:
         """The device evicts a cached block: keep a copy in the CPU tier if it has room."""
@@ -159,7 +186,9 @@ class KVCacheManager:
         return req.request_id in self._swapped
 
     def can_swap_out(self, req: Request) -> bool:
-        return self.cpu_pool is not None and len(self._blocks.get(req.request_id, ())) <= self.cpu_pool.num_free_blocks
+        blocks = self._blocks.get(req.request_id, ())
+        # A sliding-window table has holes; such requests recompute instead.
+        return (self.cpu_pool is not None and None not in blocks and len(blocks) <= self.cpu_pool.num_free_blocks)
 
     def swap_out(self, req: Request) -> None:
         """Copy the request's blocks to the CPU tier and free them on the device."""
@@ -184,7 +213,7 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         blocks = self._blocks.pop(req.request_id, [])
-        self.pool.free(list(reversed(blocks)))
+        self.pool.free([b for b in reversed(blocks) if b is not None])
         swapped = self._swapped.pop(req.request_id, None)
         if swapped:
             self.cpu_pool.free(swapped)

@@ -78,7 +78,7 @@ class Scheduler:
         if total > self.config.max_model_len:
             return (f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.sampling.max_tokens}) "
                     f"exceeds the model's max length {self.config.max_model_len}")
-        need = self.kv.blocks_needed(total)
+        need = self.kv.peak_blocks(total, self.config.max_num_batched_tokens)
         if need > self.kv.num_blocks:
             return (f"needs {need} KV blocks for {total} tokens but the cache holds only "
                     f"{self.kv.num_blocks}; raise engine.kv_cache_gib or lower max_tokens")
@@ -204,6 +204,7 @@ class Scheduler:
             req = self.requests[seq.request_id]
             req.num_computed_tokens += len(seq.token_ids)
             self.kv.cache_blocks(req)
+            self.kv.free_out_of_window(req)
             tok = result.sampled.get(seq.request_id)
             if tok is None:
                 continue

@@ -63,6 +63,8 @@ class AttentionMetadata:
     # [num_prefills, max_blocks] block ids.
     prefill_block_tables: torch.Tensor | None = None
     max_prefill_len: int = 0
+    # Sliding window W (Mistral-style): query i sees keys i - W < j <= i. None: full attention.
+    window: int | None = None
 
 
 def decode_buckets(context_blocks: list[int], max_ratio: float = 1.3) -> list[tuple[int, int]]:
@@ -110,21 +112,26 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if meta.decode_mode == "exact":
             for i in range(nd):
                 ctx = int(meta.decode_context_lens[i])
-                out[i] = _sdpa_one(q[i : i + 1], gather_context(k_cache, meta.decode_block_tables[i], ctx),
-                                   gather_context(v_cache, meta.decode_block_tables[i], ctx), scale, causal=False)[0]
+                lo = max(0, ctx - meta.window) if meta.window else 0
+                out[i] = _sdpa_one(q[i : i + 1], gather_context(k_cache, meta.decode_block_tables[i], ctx)[lo:],
+                                   gather_context(v_cache, meta.decode_block_tables[i], ctx)[lo:], scale,
+                                   causal=False)[0]
         else:
             for b in meta.decode_buckets:
                 out[b.start : b.end] = _decode_batched(q[b.start : b.end], k_cache, v_cache, b, scale)
     for p in meta.prefills:
         qs = q[p.tok_start : p.tok_end]
-        if p.start_pos == 0:
+        n = qs.shape[0]
+        if p.start_pos == 0 and not (meta.window and n > meta.window):
             ks, vs = k[p.tok_start : p.tok_end], v[p.tok_start : p.tok_end]
             out[p.tok_start : p.tok_end] = _sdpa_one(qs, ks, vs, scale, causal=True)
         else:
-            total = p.start_pos + qs.shape[0]
-            ks = gather_context(k_cache, p.block_table, total).to(q.dtype)
-            vs = gather_context(v_cache, p.block_table, total).to(q.dtype)
-            out[p.tok_start : p.tok_end] = _sdpa_offset(qs, ks, vs, p.start_pos, scale)
+            # Keys from the first one any query of the chunk can see (all, without a window).
+            lo = max(0, p.start_pos - meta.window + 1) if meta.window else 0
+            total = p.start_pos + n
+            ks = gather_context(k_cache, p.block_table, total)[lo:].to(q.dtype)
+            vs = gather_context(v_cache, p.block_table, total)[lo:].to(q.dtype)
+            out[p.tok_start : p.tok_end] = _sdpa_offset(qs, ks, vs, p.start_pos, scale, lo, meta.window)
     return out
 
 
@@ -136,10 +143,16 @@ def _sdpa_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
     return o[0].transpose(0, 1)
 
 
-def _sdpa_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """Causal attention of n new queries at positions start.. over start + n keys."""
+def _sdpa_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float, key_start: int = 0,
+                 window: int | None = None) -> torch.Tensor:
+    """Causal attention of n new queries at positions start.. over keys at positions key_start..,
+    within the sliding window when there is one."""
     n, total = q.shape[0], k.shape[0]
-    mask = torch.arange(total, device=q.device)[None, :] <= (torch.arange(n, device=q.device)[:, None] + start)
+    kpos = torch.arange(key_start, key_start + total, device=q.device)[None, :]
+    qpos = torch.arange(n, device=q.device)[:, None] + start
+    mask = kpos <= qpos
+    if window:
+        mask &= kpos > qpos - window
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return o[0].transpose(0, 1)
@@ -171,8 +184,9 @@ def _triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale:
     parts = []
     if nd:
         parts.append(paged_decode(q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_tables,
-                                  meta.decode_context_lens, scale))
+                                  meta.decode_context_lens, scale, window=meta.window or 0))
     if meta.prefills:
         parts.append(paged_prefill(q[nd:].contiguous(), k_cache, v_cache, meta.prefill_block_tables,
-                                   meta.prefill_cu_seqlens, meta.prefill_context_lens, scale, meta.max_prefill_len))
+                                   meta.prefill_cu_seqlens, meta.prefill_context_lens, scale, meta.max_prefill_len,
+                                   window=meta.window or 0))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -47,7 +47,8 @@ class KVCache:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, decode_mode: str = "batched", seed: int = 0,
-                 backend: str = "torch") -> None:
+                 backend: str = "torch", window: int | None = None) -> None:
+        self.window = window
         self.model = model
         self.kv = kv_cache
         self.decode_mode = decode_mode
@@ -101,7 +102,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             num_decodes=len(decode_tables), decode_block_tables=None, decode_context_lens=None,
             prefills=prefills, slot_mapping=torch.tensor(slots, dtype=torch.long), decode_mode=self.decode_mode,
-            backend=self.backend)
+            backend=self.backend, window=self.window)
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
@@ -143,6 +144,10 @@ class ModelRunner:
         for start, end in decode_buckets(blocks):
             width = max(blocks[start:end])
             lens = context_lens[start:end]
-            mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :]
+            pos = torch.arange(width * bs)[None, :]
+            mask = pos < lens[:, None]
+            if self.window:
+                mask &= pos >= lens[:, None] - self.window
+            mask = mask[:, None, None, :]
             out.append(DecodeBucket(start, end, tables[start:end, :width].contiguous(), mask))
         return out
