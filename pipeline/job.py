@@ -29,6 +29,7 @@ def fingerprint(spec: JobSpec, rows: InputRows, model_identity: str) -> dict:
     return {
         "model": model_identity,
         "dtype": spec.model.dtype,
+        "kv_cache_dtype": spec.engine.kv_cache_dtype,
         "sampling": spec.sampling.model_dump(mode="json"),
         "template": {k: v for k, v in spec.input.model_dump(mode="json").items() if k not in ("path", "dataset")},
         "on_too_long": spec.on_too_long,
@@ -44,7 +45,7 @@ def engine_config(spec: JobSpec):
                         max_num_batched_tokens=e.max_num_batched_tokens, kv_cache_gib=e.kv_cache_gib,
                         kv_cache_fraction=e.kv_cache_fraction, max_model_len=e.max_model_len,
                         prefix_caching=e.prefix_caching, cpu_offload_gib=e.cpu_offload_gib, preemption=e.preemption,
-                        dtype=spec.model.dtype, device=spec.model.device,
+                        dtype=spec.model.dtype, kv_cache_dtype=e.kv_cache_dtype, device=spec.model.device,
                         linear_path=e.linear_path, decode_attention=e.decode_attention,
                         attention_backend=e.attention_backend, seed=e.seed, profile=e.profile)
 

@@ -14,7 +14,7 @@ from .engine.scheduler import Scheduler, SchedulerConfig
 from .errors import ConfigError
 from .runner.linear import onednn_available
 from .runner.model import CausalLM, ModelShape
-from .runner.model_runner import KVCache, ModelRunner
+from .runner.model_runner import KVCache, ModelRunner, kv_bytes_per_token_head
 
 log = logging.getLogger("batchgen")
 
@@ -39,6 +39,8 @@ class EngineConfig:
     # auto | swap | recompute: what a preempted request's KV becomes.
     preemption: str = "auto"
     dtype: str = "auto"
+    # KV storage: "auto" (the model dtype) or "int8" (per-token-head scales; CPU torch path).
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     # "auto": oneDNN packed GEMMs on CPU when available; "plain": F.linear (exact reference).
     linear_path: str = "auto"
@@ -153,13 +155,15 @@ class Engine:
         shape: ModelShape = self.model.shape
         self.max_model_len = min(cfg.max_model_len or shape.max_position, shape.max_position)
         self.window = sliding_window(hf_model.config)
-        self.kv_bytes_per_token = shape.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        self.kv_dtype = self._kv_dtype(cfg.kv_cache_dtype)
+        self.kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * kv_bytes_per_token_head(
+            self.kv_dtype, shape.head_dim)
         self.num_blocks = self._num_blocks(shape)
         block_bytes = cfg.block_size * self.kv_bytes_per_token
         self.num_cpu_blocks = int(cfg.cpu_offload_gib * 2**30) // block_bytes
         self.kv_cache = KVCache(shape.num_layers, self.num_blocks, cfg.block_size, shape.num_kv_heads,
-                                shape.head_dim, self.dtype, self.device, self.num_cpu_blocks)
-        salt = f"{model_identity}|{self.dtype}".encode()
+                                shape.head_dim, self.kv_dtype, self.device, self.num_cpu_blocks)
+        salt = f"{model_identity}|{self.dtype}|{self.kv_dtype}".encode()
         self.kv_manager = KVCacheManager(self.num_blocks, cfg.block_size, cfg.prefix_caching, salt,
                                          self.num_cpu_blocks, self.window)
         # Cost estimates for swap-or-recompute: host copies run ~10 GB/s on a CPU and ~20 GB/s
@@ -176,6 +180,8 @@ class Engine:
             backend = "triton" if self.device.type == "cuda" else "torch"
         if backend not in ("torch", "triton"):
             raise ConfigError(f"engine.attention_backend: {backend!r} is not one of auto, torch, triton")
+        if backend == "triton" and self.kv_dtype == torch.int8:
+            raise ConfigError("engine.kv_cache_dtype: int8 runs on the torch path; set engine.attention_backend: torch")
         self.attention_backend = backend
         self.runner = ModelRunner(self.model, self.kv_cache, cfg.decode_attention, cfg.seed, backend, self.window)
         self.eos_token_ids = self._eos_ids(hf_model, tokenizer)
@@ -184,6 +190,16 @@ class Engine:
                  self.num_blocks, cfg.block_size, self.kv_cache.bytes / 2**30, self.kv_bytes_per_token,
                  self.num_cpu_blocks, self.kv_cache.cpu_bytes / 2**30)
         self.step_count = 0
+
+    def _kv_dtype(self, name: str) -> torch.dtype:
+        if name == "auto":
+            return self.dtype
+        if name == "int8":
+            return torch.int8
+        if name == "fp8":
+            raise ConfigError("engine.kv_cache_dtype: fp8 is not implemented yet (it needs the CUDA kernels); "
+                              "use int8 (CPU) or auto")
+        raise ConfigError(f"engine.kv_cache_dtype: {name!r} is not one of auto, int8, fp8")
 
     @classmethod
     def from_model(cls, spec: str, config: EngineConfig | None = None) -> "Engine":
@@ -310,6 +326,7 @@ class Engine:
             "attention_backend": self.attention_backend,
             "num_kv_blocks": self.num_blocks, "block_size": self.config.block_size,
             "kv_cache_bytes": self.kv_cache.bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_cache_dtype": str(self.kv_dtype).replace("torch.", ""),
             "max_model_len": self.max_model_len, "sliding_window": self.window, "profile": self.config.profile,
             "max_num_seqs": self.config.max_num_seqs, "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "steps": s.num_steps, "preemptions": s.num_preemptions,

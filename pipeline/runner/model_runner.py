@@ -4,9 +4,16 @@ from __future__ import annotations
 import torch
 
 from ..engine.outputs import RunnerOutput, ScheduledSeq
-from .attention import AttentionMetadata, DecodeBucket, PrefillSeq, decode_buckets
+from .attention import AttentionMetadata, DecodeBucket, Int8Cache, PrefillSeq, decode_buckets
 from .model import CausalLM
 from .sampler import Sampler
+
+
+def kv_bytes_per_token_head(dtype: torch.dtype, head_dim: int) -> int:
+    """Bytes one token takes per KV head in one of K or V (int8 adds its fp32 scale)."""
+    if dtype == torch.int8:
+        return head_dim + 4
+    return head_dim * torch.finfo(dtype).bits // 8
 
 
 class KVCache:
@@ -14,18 +21,21 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, num_cpu_blocks: int = 0) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                       for _ in range(num_layers)]
-        # The CPU tier: same block layout in host memory (pinned on CUDA for async copies).
-        cpu_shape = (num_cpu_blocks,) + shape[1:]
+        """dtype torch.int8 makes an int8 cache with per-(token, head) scales (Int8Cache)."""
         pin = device.type == "cuda"
-        self.cpu_layers = [(torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
-                            torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin))
+
+        def make(n: int, dev, pinned: bool):
+            if dtype == torch.int8:
+                return Int8Cache(n, block_size, num_kv_heads, head_dim, dev, pinned)
+            return torch.zeros((n, block_size, num_kv_heads, head_dim), dtype=dtype, device=dev, pin_memory=pinned)
+
+        self.layers = [(make(num_blocks, device, False), make(num_blocks, device, False)) for _ in range(num_layers)]
+        # The CPU tier: same block layout in host memory (pinned on CUDA for async copies).
+        self.cpu_layers = [(make(num_cpu_blocks, "cpu", pin), make(num_cpu_blocks, "cpu", pin))
                            for _ in range(num_layers)] if num_cpu_blocks else []
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        self.block_bytes = 2 * num_layers * block_size * kv_bytes_per_token_head(dtype, head_dim) * num_kv_heads
         self.bytes = num_blocks * self.block_bytes
         self.cpu_bytes = num_cpu_blocks * self.block_bytes
 
@@ -39,10 +49,10 @@ class KVCache:
         dst_ids = torch.tensor([b for _, b in pairs], dtype=torch.long)
         for dev, cpu in zip(self.layers, self.cpu_layers):
             for d, c in zip(dev, cpu):
-                if to_cpu:
-                    copy_blocks(d, c, src_ids, dst_ids)
-                else:
-                    copy_blocks(c, d, src_ids, dst_ids)
+                src, dst = (d, c) if to_cpu else (c, d)
+                parts = [(src.data, dst.data), (src.scale, dst.scale)] if isinstance(src, Int8Cache) else [(src, dst)]
+                for a, b in parts:
+                    copy_blocks(a, b, src_ids, dst_ids)
 
 
 class ModelRunner:
