@@ -196,7 +196,9 @@ def bench(num_prompts: int = typer.Option(256, "--num-prompts", min=1, help="Sha
 @app.command()
 def plan(job: Optional[Path] = typer.Argument(None, help="Job spec; its model, dtype and prompt lengths are used"),
          model: Optional[str] = typer.Option(None, "--model", help="Model folder, config.json, .gguf or 'default'"),
-         dtype: str = typer.Option("bfloat16", "--dtype", help="float32, bfloat16, float16, fp8 or int8"),
+         dtype: str = typer.Option("bfloat16", "--dtype", help="Weights dtype: float32, bfloat16 or float16"),
+         kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="KV dtype (default: --dtype, or the "
+                                                "job's engine.kv_cache_dtype): float32, bfloat16, float16, int8, fp8"),
          context: Optional[int] = typer.Option(None, "--context", help="Tokens per sequence (prompt + output)"),
          batch: Optional[int] = typer.Option(None, "--batch", help="Sequences at once"),
          kv_gib: Optional[float] = typer.Option(None, "--kv-gib", help="KV budget in GiB (default: the job's, or 16)"),
@@ -214,10 +216,13 @@ def plan(job: Optional[Path] = typer.Argument(None, help="Job spec; its model, d
             model = model or spec.model.path
             if spec.model.dtype != "auto":
                 dtype = spec.model.dtype
+            if kv_dtype is None and spec.engine.kv_cache_dtype != "auto":
+                kv_dtype = spec.engine.kv_cache_dtype
         if model is None:
             raise BatchgenError("give a JOB.yaml or --model")
-        if dtype not in planner.DTYPE_BYTES:
-            raise BatchgenError(f"--dtype: {dtype!r} is not one of {', '.join(planner.DTYPE_BYTES)}")
+        for name, value in (("--dtype", dtype), ("--kv-dtype", kv_dtype or dtype)):
+            if value not in planner.DTYPE_BYTES:
+                raise BatchgenError(f"{name}: {value!r} is not one of {', '.join(planner.DTYPE_BYTES)}")
         cfg, name = planner.load_model_config(model)
         mem = planner.ModelMemory.from_config(cfg, name)
         avg_prompt = None
@@ -226,7 +231,8 @@ def plan(job: Optional[Path] = typer.Argument(None, help="Job spec; its model, d
         context = context or mem.max_position
         budget = kv_gib if kv_gib is not None else (spec.engine.kv_cache_gib if spec and spec.engine.kv_cache_gib else 16)
         p = planner.plan(mem, dtype, int(budget * 2**30), context, batch,
-                         spec.engine.max_num_seqs if spec else None, spec.engine.block_size if spec else 16, avg_prompt)
+                         spec.engine.max_num_seqs if spec else None, spec.engine.block_size if spec else 16, avg_prompt,
+                         kv_dtype)
     except BatchgenError as e:
         _fail(e)
     typer.echo(planner.format_plan(p))

@@ -47,7 +47,9 @@ class ModelMemory:
         return self.params * DTYPE_BYTES[dtype]
 
     def kv_bytes_per_token(self, dtype: str) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+        # int8 KV keeps one fp32 scale per token and head beside the values.
+        scale = 4 if dtype == "int8" else 0
+        return 2 * self.layers * self.kv_heads * (self.head_dim * DTYPE_BYTES[dtype] + scale)
 
 
 def load_model_config(path: str) -> tuple[dict, str]:
@@ -63,15 +65,17 @@ def load_model_config(path: str) -> tuple[dict, str]:
 
 
 def plan(mem: ModelMemory, dtype: str, kv_budget_bytes: int, seq_tokens: int, batch: int | None = None,
-         max_num_seqs: int | None = None, block_size: int = 16, avg_prompt: int | None = None) -> dict:
+         max_num_seqs: int | None = None, block_size: int = 16, avg_prompt: int | None = None,
+         kv_dtype: str | None = None) -> dict:
     """How many sequences of seq_tokens fit the KV budget, and what to set."""
-    per_tok = mem.kv_bytes_per_token(dtype)
+    kv_dtype = kv_dtype or dtype
+    per_tok = mem.kv_bytes_per_token(kv_dtype)
     kept = min(seq_tokens, mem.sliding_window) if mem.sliding_window else seq_tokens
     per_seq = -(-kept // block_size) * block_size * per_tok
     fits = kv_budget_bytes // per_seq if per_seq else 0
     suggest_seqs = max(1, min(256, fits))
     suggest_tokens = max(2048, min(16384, (avg_prompt or seq_tokens // 2) + suggest_seqs))
-    out = {"model": mem.name, "params": mem.params, "dtype": dtype,
+    out = {"model": mem.name, "params": mem.params, "dtype": dtype, "kv_dtype": kv_dtype,
            "weight_bytes": mem.weight_bytes(dtype), "weight_gb": round(mem.weight_bytes(dtype) / 1e9, 1),
            "kv_bytes_per_token": per_tok, "kv_kib_per_token": round(per_tok / 1024, 1),
            "seq_tokens": seq_tokens, "kv_bytes_per_seq": per_seq, "kv_gib_per_seq": round(per_seq / 2**30, 2),
@@ -97,7 +101,7 @@ def plan(mem: ModelMemory, dtype: str, kv_budget_bytes: int, seq_tokens: int, ba
 def format_plan(p: dict) -> str:
     lines = [f"model: {p['model']} ({p['params'] / 1e9:.2f} B parameters), dtype {p['dtype']}",
              f"weights: {p['weight_gb']} GB",
-             f"KV per token: {p['kv_kib_per_token']} KiB; per sequence of {p['seq_tokens']} tokens: "
+             f"KV per token ({p['kv_dtype']}): {p['kv_kib_per_token']} KiB; per sequence of {p['seq_tokens']} tokens: "
              f"{p['kv_gib_per_seq']} GiB"]
     if "batch" in p:
         lines.append(f"batch {p['batch']}: {p['kv_gib_for_batch']} GiB of KV")

@@ -31,7 +31,7 @@ def test_thrash_warning_and_cli(tmp_path):
     assert p["seqs_that_fit"] == 1 and any("thrashing" in w for w in p["warnings"])
     r = runner.invoke(app, ["plan", "--model", str(REPO / "examples/configs/llama-3-70b.json"), "--context", "131072",
                             "--batch", "1", "--kv-gib", "80"])
-    assert r.exit_code == 0 and "KV per token: 320.0 KiB" in r.output and "40.0 GiB" in r.output
+    assert r.exit_code == 0 and "KV per token (bfloat16): 320.0 KiB" in r.output and "40.0 GiB" in r.output
 
 
 def test_plan_for_a_job_uses_its_prompt_lengths(tmp_path, tiny_model_dir):
@@ -40,3 +40,15 @@ def test_plan_for_a_job_uses_its_prompt_lengths(tmp_path, tiny_model_dir):
     r = runner.invoke(app, ["plan", str(job), "--dtype", "float32"])
     assert r.exit_code == 0, r.output
     assert "warning: max_num_seqs 64 exceeds" in r.output
+
+
+def test_int8_kv_doubles_concurrency_over_bf16():
+    cfg = json.loads((REPO / "examples/configs/llama-3-8b.json").read_text())
+    mem = ModelMemory.from_config(cfg)
+    bf16 = plan(mem, "bfloat16", 40 * 2**30, 8192)
+    int8 = plan(mem, "bfloat16", 40 * 2**30, 8192, kv_dtype="int8")
+    assert int8["kv_bytes_per_token"] == 2 * 32 * 8 * (128 + 4)
+    assert int8["seqs_that_fit"] >= 1.9 * bf16["seqs_that_fit"]
+    r = runner.invoke(app, ["plan", "--model", str(REPO / "examples/configs/llama-3-8b.json"), "--kv-dtype", "int8",
+                            "--context", "8192", "--kv-gib", "40"])
+    assert r.exit_code == 0 and "KV per token (int8)" in r.output
