@@ -227,3 +227,26 @@ def test_int8_kv_cache_stays_close_and_carries_scales_through_the_cpu_tier(famil
             exact += 1
     assert exact >= len(ps) // 2
     e.kv_manager.check_all_free()
+
+
+def test_cascade_decode_over_a_shared_prefix_matches_transformers(family_model):
+    """Decodes sharing a cached 80-token prefix attend to it once (cascade) and still give
+    transformers' greedy tokens."""
+    _, model = family_model
+    shared = prompts(seed=21, lengths=(80,))[0]
+    ps = [shared + tail for tail in prompts(seed=22, lengths=(3, 9, 1, 14, 6))]
+    ref = hf_greedy(model, ps, 12)
+    e = engine(model, max_num_seqs=8)
+    calls = []
+    import batchgen.runner.attention as attn
+
+    orig = attn._decode_cascade
+    attn._decode_cascade = lambda *a: calls.append(1) or orig(*a)
+    try:
+        run(e, [ps[0]], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), ids=["warm"])
+        res = run(e, ps, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    finally:
+        attn._decode_cascade = orig
+    assert calls, "the cascade path ran"
+    for i, want in enumerate(ref):
+        assert res[(str(i), 0)].token_ids == want, f"prompt {i} diverged"

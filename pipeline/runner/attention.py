@@ -65,6 +65,21 @@ class AttentionMetadata:
     max_prefill_len: int = 0
     # Sliding window W (Mistral-style): query i sees keys i - W < j <= i. None: full attention.
     window: int | None = None
+    # Decodes that share a cached prefix, as contiguous groups at the front of the decodes.
+    cascade_groups: list["CascadeGroup"] | None = None
+
+
+@dataclass
+class CascadeGroup:
+    """Decodes [start, end) whose tables begin with the same physical blocks (a cached prefix):
+    the prefix is attended once for all their queries, then merged by log-sum-exp with each
+    sequence's own suffix; `buckets` cover only the blocks after the prefix."""
+
+    start: int
+    end: int
+    # [num_shared_blocks] block ids of the shared prefix.
+    blocks: torch.Tensor
+    buckets: list[DecodeBucket]
 
 
 def decode_buckets(context_blocks: list[int], max_ratio: float = 1.3) -> list[tuple[int, int]]:
@@ -154,6 +169,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                    gather_context(v_cache, meta.decode_block_tables[i], ctx)[lo:], scale,
                                    causal=False)[0]
         else:
+            for grp in meta.cascade_groups or ():
+                out[grp.start : grp.end] = _decode_cascade(q[grp.start : grp.end], k_cache, v_cache, grp, scale)
             for b in meta.decode_buckets:
                 out[b.start : b.end] = _decode_batched(q[b.start : b.end], k_cache, v_cache, b, scale)
     for p in meta.prefills:
@@ -209,6 +226,44 @@ def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qg = q.view(nd, kvh, group, d)  # [nd, kvh, group, d]
     o = F.scaled_dot_product_attention(qg, ks.to(q.dtype), vs.to(q.dtype), attn_mask=bucket.mask, scale=scale)
     return o.reshape(nd, nh, d)
+
+
+def _attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention that also returns the log-sum-exp of the scores, for merging partial results.
+    q [B, kvh, G, d], k/v [B, kvh, L, d], mask [B, 1, 1, L] -> ([B, kvh, G, d], [B, kvh, G])."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, kvh, G, L]
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse[..., None]), v), lse
+
+
+def _decode_cascade(q: torch.Tensor, k_cache, v_cache, grp: "CascadeGroup", scale: float) -> torch.Tensor:
+    """Decodes that share a cached prefix: the prefix's K/V are read once for all queries (one
+    matmul), each sequence's own suffix runs in buckets, and the two merge by log-sum-exp.
+    Without this, each decode gathered its own copy of the shared prefix every step."""
+    nd, nh, d = q.shape
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    g = nh // kvh
+    lp = grp.blocks.shape[0] * bs
+    pk = gather_blocks(k_cache, grp.blocks).view(1, lp, kvh, d).transpose(1, 2).to(q.dtype)
+    pv = gather_blocks(v_cache, grp.blocks).view(1, lp, kvh, d).transpose(1, 2).to(q.dtype)
+    qg = q.view(nd, kvh, g, d).transpose(0, 1).reshape(1, kvh, nd * g, d)  # every query at once
+    o_p, lse_p = _attention_lse(qg, pk, pv, None, scale)
+    o_p = o_p.view(kvh, nd, g, d).transpose(0, 1)  # [nd, kvh, g, d]
+    lse_p = lse_p.view(kvh, nd, g).transpose(0, 1)
+    out = torch.empty(nd, kvh, g, d, dtype=q.dtype, device=q.device)
+    for b in grp.buckets:  # ranges relative to the group
+        n, w = b.end - b.start, b.block_tables.shape[1] * bs
+        ks = gather_blocks(k_cache, b.block_tables).view(n, w, kvh, d).transpose(1, 2).to(q.dtype)
+        vs = gather_blocks(v_cache, b.block_tables).view(n, w, kvh, d).transpose(1, 2).to(q.dtype)
+        o_s, lse_s = _attention_lse(q[b.start : b.end].view(n, kvh, g, d), ks, vs, b.mask, scale)
+        lp_b, op_b = lse_p[b.start : b.end], o_p[b.start : b.end]
+        m = torch.maximum(lp_b, lse_s)
+        wp, ws = torch.exp(lp_b - m), torch.exp(lse_s - m)
+        out[b.start : b.end] = (wp[..., None] * op_b + ws[..., None] * o_s) / (wp + ws)[..., None]
+    return out.reshape(nd, nh, d)
 
 
 def _triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

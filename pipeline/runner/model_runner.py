@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.outputs import RunnerOutput, ScheduledSeq
-from .attention import AttentionMetadata, DecodeBucket, Int8Cache, PrefillSeq, decode_buckets
+from .attention import AttentionMetadata, CascadeGroup, DecodeBucket, Int8Cache, PrefillSeq, decode_buckets
 from .model import CausalLM
 from .sampler import Sampler
 
@@ -72,9 +72,12 @@ class ModelRunner:
         self.kv.copy(list(copy_to_device), to_cpu=False)
         if not seqs:
             return RunnerOutput()
-        # Decodes first, by context length, so attention can run them in contiguous buckets.
-        ordered = sorted(seqs, key=lambda s: (len(s.token_ids) > 1, s.start_pos if len(s.token_ids) == 1 else 0))
-        input_ids, positions, slots, meta, sample_rows = self._prepare(ordered)
+        # Decodes first: groups sharing a cached prefix (cascade), then the rest by context
+        # length, so attention runs them in contiguous buckets; prefill chunks after them.
+        decodes = sorted((s for s in seqs if len(s.token_ids) == 1), key=lambda s: s.start_pos)
+        groups, rest = self._cascade_groups(decodes)
+        ordered = [s for g, _ in groups for s in g] + rest + [s for s in seqs if len(s.token_ids) > 1]
+        input_ids, positions, slots, meta, sample_rows = self._prepare(ordered, groups)
         sampled_seqs = [ordered[i] for i in sample_rows[1]]
         if not sampled_seqs:
             self.model.forward(input_ids, positions, meta, self.kv.layers, self._dev(torch.empty(0, dtype=torch.long)))
@@ -83,7 +86,7 @@ class ModelRunner:
         tokens = self.sampler(logits, sampled_seqs)
         return RunnerOutput({s.request_id: t for s, t in zip(sampled_seqs, tokens)})
 
-    def _prepare(self, seqs: list[ScheduledSeq]):
+    def _prepare(self, seqs: list[ScheduledSeq], groups=()):
         bs = self.kv.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -118,7 +121,18 @@ class ModelRunner:
             meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
             meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long)
             if self.decode_mode == "batched" and self.backend == "torch":
-                meta.decode_buckets = self._buckets(meta.decode_block_tables, meta.decode_context_lens)
+                start, meta.cascade_groups = 0, []
+                for members, shared in groups:
+                    end = start + len(members)
+                    tables = meta.decode_block_tables[start:end, shared:]
+                    lens = meta.decode_context_lens[start:end] - shared * bs
+                    meta.cascade_groups.append(CascadeGroup(start, end, torch.tensor(decode_tables[start][:shared],
+                                                                                    dtype=torch.long),
+                                                            self._buckets(tables, lens)))
+                    start = end
+                meta.decode_buckets = [DecodeBucket(b.start + start, b.end + start, b.block_tables, b.mask)
+                                       for b in self._buckets(meta.decode_block_tables[start:],
+                                                              meta.decode_context_lens[start:])]
         if self.backend == "triton":
             self._triton_meta(meta, seqs)
         return (self._dev(torch.tensor(ids, dtype=torch.long)), self._dev(torch.tensor(pos, dtype=torch.long)), slots,
@@ -146,6 +160,31 @@ class ModelRunner:
             meta.prefill_context_lens = self._dev(torch.tensor([s.start_pos + len(s.token_ids) for s in pre],
                                                                dtype=torch.int32))
             meta.max_prefill_len = max(lens)
+
+    def _cascade_groups(self, decodes: list[ScheduledSeq], min_blocks: int = 4):
+        """Split decodes (sorted by length) into groups that share at least min_blocks physical
+        blocks at the front of their tables (a prefix-cache hit), and the rest. Returns
+        ([(members, shared_blocks)], rest); members keep their length order."""
+        if self.window or self.decode_mode != "batched" or self.backend != "torch" or len(decodes) < 2:
+            return [], decodes
+        by_first: dict[int, list[ScheduledSeq]] = {}
+        for s in decodes:
+            by_first.setdefault(s.block_table[0], []).append(s)
+        bs = self.kv.block_size
+        groups, rest = [], []
+        for members in by_first.values():
+            # Only blocks strictly before each sequence's newest token: that block is its own.
+            limit = min(s.start_pos // bs for s in members)
+            first = members[0].block_table
+            shared = 0
+            while shared < limit and all(s.block_table[shared] == first[shared] for s in members):
+                shared += 1
+            if len(members) >= 2 and shared >= min_blocks:
+                groups.append((members, shared))
+            else:
+                rest.extend(members)
+        rest.sort(key=lambda s: s.start_pos)
+        return groups, rest
 
     def _buckets(self, tables: torch.Tensor, context_lens: torch.Tensor) -> list[DecodeBucket]:
         bs = self.kv.block_size
