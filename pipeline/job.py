@@ -210,7 +210,14 @@ class Progress:
                 self._last_tokens = (st.prefill_tokens, st.decode_tokens)
                 extra = (f", running {len(sch.running)}, waiting {len(sch.waiting)}, finished {done}, "
                          f"kv {engine.kv_manager.usage():.0%}, prefix hits {engine.kv_manager.prefix_hit_rate():.0%}, "
-                         f"prefill {pre_rate:.0f} tok/s, decode {dec_rate:.0f} tok/s, preemptions {st.num_preemptions}")
+                         f"prefill {pre_rate:.0f} tok/s, decode {dec_rate:.0f} tok/s, preemptions {st.num_preemptions} "
+                         f"(swap {st.num_swap_preemptions}, recompute {st.num_recompute_preemptions})")
+                tiers = engine.kv_manager
+                if tiers.cpu_pool is not None:
+                    t = tiers.tier
+                    extra += (f", cpu tier {tiers.cpu_pool.num_used_blocks}/{tiers.cpu_pool.num_blocks} blocks, "
+                              f"swapped out/in {t.swapped_out_blocks}/{t.swapped_in_blocks} blocks, "
+                              f"spilled/reloaded {t.spilled_blocks}/{t.reloaded_blocks}")
             log.info("progress: %d/%d rows, %.1f output tok/s, ETA %.0fs%s", done, self.total, rate, eta, extra)
             self.last = now
 

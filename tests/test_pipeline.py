@@ -212,3 +212,19 @@ def test_sigterm_flushes_finished_rows_and_exits_75(tmp_path, tiny_model_dir):
     assert r.returncode == 0
     ids = read_output(tmp_path / "out")["id"].to_list()
     assert sorted(ids) == [f"r{i:04d}" for i in range(n)]
+
+
+def test_periodic_log_line_carries_live_stats(tmp_path, tiny_model_dir, caplog):
+    import logging
+
+    from batchgen.config import load_job
+    from batchgen.job import run_job
+
+    inp = write_prompts(tmp_path / "in.parquet", n=6)
+    job = write_job(tmp_path, tiny_model_dir, inp, engine={"kv_cache_gib": 0.05, "cpu_offload_gib": 0.01})
+    with caplog.at_level(logging.INFO, logger="batchgen"):
+        run_job(load_job(job))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("progress: 6/6"))
+    for field in ("running", "waiting", "finished 6", "kv ", "prefix hits", "prefill", "decode", "preemptions",
+                  "cpu tier", "swapped out/in"):
+        assert field in line, (field, line)
