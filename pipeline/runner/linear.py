@@ -1,4 +1,4 @@
-"""Matmul paths for the CPU, chosen by measurement (examples/gemm_shapes.py).
+"""Matmul paths for the CPU, chosen by measurement (`batchgen bench` prints the GEMM table).
 
 On this AVX-512 CPU, oneDNN with a pre-packed weight beats F.linear's MKL path for fp32
 (~200 vs ~165 GFLOP/s at the model's shapes, batch 256), and bf16 through oneDNN roughly
