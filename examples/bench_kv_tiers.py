@@ -14,6 +14,7 @@ import argparse
 import json
 import time
 
+from batchgen.bench import workload_requests
 from batchgen.engine.request import SamplingParams
 from batchgen.llm import Engine, EngineConfig, GenerationRequest
 from batchgen.models.loader import load_hf_model, load_tokenizer, resolve_model
@@ -57,9 +58,7 @@ def shared_prefix(hf, tok, ident, n: int, prefix_tokens: int, out_tokens: int) -
 
 def memory_pressure(hf, tok, ident, n: int, cap: int) -> dict:
     items = sample_sharegpt(tok, n, cap)
-    reqs = [GenerationRequest(str(i), w.prompt_token_ids, SamplingParams(max_tokens=w.output_len, temperature=0,
-                                                                          ignore_eos=True))
-            for i, w in enumerate(items)]
+    reqs = workload_requests(items)
     probe = Engine(hf, tok, EngineConfig(kv_cache_gib=0.01))
     block_bytes = probe.kv_bytes_per_token * 16
     want = sum(-(-(len(w.prompt_token_ids) + w.output_len) // 16) for w in items)
@@ -78,9 +77,7 @@ def int8_capacity(hf, tok, ident, n: int, cap: int, gib: float) -> dict:
     """(c) A memory-bound budget: the same KV GiB in the model dtype and in int8; int8 holds
     ~3.7x the tokens (fp32 model), so more sequences run at once."""
     items = sample_sharegpt(tok, n, cap)
-    reqs = [GenerationRequest(str(i), w.prompt_token_ids, SamplingParams(max_tokens=w.output_len, temperature=0,
-                                                                          ignore_eos=True))
-            for i, w in enumerate(items)]
+    reqs = workload_requests(items)
     out = {"requests": len(items), "kv_cache_gib": gib}
     for kv in ("auto", "int8"):
         e = Engine(hf, tok, EngineConfig(kv_cache_dtype=kv, kv_cache_gib=gib, max_num_seqs=n, prefix_caching=False),

@@ -44,16 +44,23 @@ class BenchResult:
                 "output_tok_s": round(self.output_tps, 1), "total_tok_s": round(self.total_tps, 1), **self.extra}
 
 
-def run_batchgen(hf_model, tokenizer, items: list[WorkloadItem], dtype: str, identity: str, **engine_kw) -> BenchResult:
+def workload_requests(items: list[WorkloadItem]):
+    """Greedy requests for a workload: each item's own output length, EOS ignored."""
     from .engine.request import SamplingParams
-    from .llm import Engine, EngineConfig, GenerationRequest
+    from .llm import GenerationRequest
+
+    return [GenerationRequest(str(i), w.prompt_token_ids,
+                              SamplingParams(max_tokens=w.output_len, temperature=0, ignore_eos=True))
+            for i, w in enumerate(items)]
+
+
+def run_batchgen(hf_model, tokenizer, items: list[WorkloadItem], dtype: str, identity: str, **engine_kw) -> BenchResult:
+    from .llm import Engine, EngineConfig
 
     cfg = EngineConfig(dtype=dtype, max_seq_tokens=max(len(w.prompt_token_ids) + w.output_len for w in items),
                        **engine_kw)
     engine = Engine(hf_model, tokenizer, cfg, model_identity=identity)
-    reqs = [GenerationRequest(str(i), w.prompt_token_ids, SamplingParams(max_tokens=w.output_len, temperature=0,
-                                                                          ignore_eos=True))
-            for i, w in enumerate(items)]
+    reqs = workload_requests(items)
     t0 = time.perf_counter()
     results = list(engine.generate(reqs))
     wall = time.perf_counter() - t0

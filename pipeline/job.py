@@ -71,8 +71,10 @@ class RunStats:
 class ResultSink:
     """Buffers finished rows (all n samples of an id together) and commits them as parts."""
 
-    def __init__(self, store: OutputStore, spec: JobSpec, rows: InputRows, stats: RunStats) -> None:
+    def __init__(self, store: OutputStore, spec: JobSpec, rows: InputRows, stats: RunStats,
+                 rows_per_part: int | None = None) -> None:
         self.store, self.spec, self.rows, self.stats = store, spec, rows, stats
+        self.rows_per_part = rows_per_part or spec.output.rows_per_part
         self.n = spec.sampling.n
         self.index = {rid: i for i, rid in enumerate(rows.ids)}
         self.schema = output_schema(spec, rows)
@@ -111,7 +113,7 @@ class ResultSink:
         self.buffer.extend(samples)
         self.buffer_ids.append(row_id)
         self.rows_done += 1
-        if len(self.buffer) >= self.spec.output.rows_per_part:
+        if len(self.buffer) >= self.rows_per_part:
             self.flush()
 
     def add_error(self, row_id: str, message: str, prompt_tokens: int = 0) -> None:
@@ -292,12 +294,13 @@ def _finish_outputs(store: OutputStore, spec: JobSpec, rows: InputRows, complete
 def _compact_if_needed(store: OutputStore, spec: JobSpec, rows: InputRows, complete: bool) -> None:
     if spec.output.order == "input" and complete:
         index = {rid: i for i, rid in enumerate(rows.ids)}
-        has_sample = spec.sampling.n > 1
 
-        def key(table, i):
-            return (index[table.column("id")[i].as_py()], table.column("sample_index")[i].as_py() if has_sample else 0)
+        def input_order(table: pa.Table) -> list[int]:
+            pos = [index[rid] for rid in table.column("id").to_pylist()]
+            sample = table.column("sample_index").to_pylist() if spec.sampling.n > 1 else [0] * len(pos)
+            return sorted(range(len(pos)), key=lambda i: (pos[i], sample[i]))
 
-        store.compact(key, spec.output.rows_per_part)
+        store.compact(input_order, spec.output.rows_per_part)
 
 
 def _generate(spec, source, rows, prepared, sink: ResultSink, stats: RunStats, t0: float, tokenizer,

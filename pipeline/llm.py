@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator
 
 import torch
@@ -139,9 +139,7 @@ class Engine:
         if cfg.profile not in ("throughput", "latency"):
             raise ConfigError(f"engine.profile: {cfg.profile!r} is not one of throughput, latency")
         if cfg.profile == "latency":
-            from dataclasses import replace as _replace
-
-            cfg = _replace(cfg, max_num_seqs=min(cfg.max_num_seqs, LATENCY_MAX_SEQS),
+            cfg = replace(cfg, max_num_seqs=min(cfg.max_num_seqs, LATENCY_MAX_SEQS),
                            max_num_batched_tokens=min(cfg.max_num_batched_tokens, LATENCY_MAX_TOKENS))
         self.config = cfg
         self.tokenizer = tokenizer
@@ -277,8 +275,6 @@ class Engine:
         for i in range(sp.n):
             child_sp = sp
             if sp.n > 1:
-                from dataclasses import replace
-
                 child_sp = replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
             r = Request(f"{req.request_id}\x00{i}", list(req.prompt_token_ids), child_sp, self.eos_token_ids, now)
             self.scheduler.add_request(r)

@@ -61,8 +61,8 @@ class EngineActor:
             def commit(self, table, ids):
                 collected.append(table)
 
-        sink = ResultSink(_Collect(), spec, rows, RunStats())
-        sink.spec = spec.model_copy(update={"output": spec.output.model_copy(update={"rows_per_part": 1 << 30})})
+        # One table per batch: Ray writes it; no flushing in between.
+        sink = ResultSink(_Collect(), spec, rows, RunStats(), rows_per_part=1 << 62)
         for i, msg in sorted(prepared.errors.items()):
             sink.add_error(rows.ids[i], msg)
         reqs = (GenerationRequest(rows.ids[i], list(prepared.token_ids[i]), prepared.sampling[i]) for i in prepared.order)

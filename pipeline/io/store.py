@@ -131,16 +131,16 @@ class OutputStore:
 
     # -- compaction (output.order: input) --------------------------------------------------
 
-    def compact(self, sort_key, rows_per_part: int) -> None:
-        """Rewrite all parts into input order. Crash-safe: the new ledger entry names the
-        entries it replaces, and whoever opens the store next finishes the swap."""
+    def compact(self, row_order, rows_per_part: int) -> None:
+        """Rewrite all parts in the order row_order(table) gives (a list of row indices).
+        Crash-safe: the new ledger entry names the entries it replaces, and whoever opens the
+        store next finishes the swap."""
         entries = self.entries()
         if not entries or (len(entries) == 1 and next(iter(entries)).startswith("final-")):
             return
         table = pa.concat_tables([pq.read_table(self.parts / p) for e in entries.values() for p in e["parts"]],
                                  promote_options="default")
-        order = sorted(range(table.num_rows), key=lambda i: sort_key(table, i))
-        table = table.take(pa.array(order, type=pa.int64()))
+        table = table.take(pa.array(row_order(table), type=pa.int64()))
         parts = []
         for k, start in enumerate(range(0, max(table.num_rows, 1), rows_per_part)):
             name = f"final-{k + 1:06d}.parquet"

@@ -212,19 +212,24 @@ def _sdpa_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, 
     return o[0].transpose(0, 1)
 
 
+def _bucket_kv(k_cache, v_cache, bucket: DecodeBucket, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bucket's K and V through its block tables: [n, kv_heads, width * block_size, dim]."""
+    n, L = bucket.end - bucket.start, bucket.block_tables.shape[1] * k_cache.shape[1]
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    ks = gather_blocks(k_cache, bucket.block_tables).view(n, L, kvh, d).transpose(1, 2).to(dtype)
+    vs = gather_blocks(v_cache, bucket.block_tables).view(n, L, kvh, d).transpose(1, 2).to(dtype)
+    return ks, vs
+
+
 def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: DecodeBucket,
                     scale: float) -> torch.Tensor:
     """One bucket of decodes at once. The query heads of one KV head are laid out as a query
     length of `group`, so GQA reads each K/V once and needs no repeat."""
     nd, nh, d = q.shape
-    bs, kvh = k_cache.shape[1], k_cache.shape[2]
-    group = nh // kvh
-    tables = bucket.block_tables
-    L = tables.shape[1] * bs
-    ks = gather_blocks(k_cache, tables).view(nd, L, kvh, d).transpose(1, 2)  # [nd, kvh, L, d]
-    vs = gather_blocks(v_cache, tables).view(nd, L, kvh, d).transpose(1, 2)
-    qg = q.view(nd, kvh, group, d)  # [nd, kvh, group, d]
-    o = F.scaled_dot_product_attention(qg, ks.to(q.dtype), vs.to(q.dtype), attn_mask=bucket.mask, scale=scale)
+    kvh = k_cache.shape[2]
+    ks, vs = _bucket_kv(k_cache, v_cache, bucket, q.dtype)  # [nd, kvh, L, d]
+    qg = q.view(nd, kvh, nh // kvh, d)  # [nd, kvh, group, d]
+    o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=bucket.mask, scale=scale)
     return o.reshape(nd, nh, d)
 
 
@@ -255,9 +260,8 @@ def _decode_cascade(q: torch.Tensor, k_cache, v_cache, grp: "CascadeGroup", scal
     lse_p = lse_p.view(kvh, nd, g).transpose(0, 1)
     out = torch.empty(nd, kvh, g, d, dtype=q.dtype, device=q.device)
     for b in grp.buckets:  # ranges relative to the group
-        n, w = b.end - b.start, b.block_tables.shape[1] * bs
-        ks = gather_blocks(k_cache, b.block_tables).view(n, w, kvh, d).transpose(1, 2).to(q.dtype)
-        vs = gather_blocks(v_cache, b.block_tables).view(n, w, kvh, d).transpose(1, 2).to(q.dtype)
+        n = b.end - b.start
+        ks, vs = _bucket_kv(k_cache, v_cache, b, q.dtype)
         o_s, lse_s = _attention_lse(q[b.start : b.end].view(n, kvh, g, d), ks, vs, b.mask, scale)
         lp_b, op_b = lse_p[b.start : b.end], o_p[b.start : b.end]
         m = torch.maximum(lp_b, lse_s)
