@@ -1,7 +1,10 @@
-"""int8 KV quality on the default model: greedy completions and per-token logprobs against the
-unquantised cache, over ShareGPT prompts.
+"""Quantised KV quality on the default model: greedy completions and per-token logprobs against
+the unquantised cache, over ShareGPT prompts.
 
-    python examples/int8_kv_quality.py [--num-prompts 64] [--tokens 32]
+    python examples/int8_kv_quality.py [--num-prompts 64] [--tokens 32] [--kv-dtype int8|fp8]
+
+fp8 runs here on the torch path, with the same quantiser (per-token-head e4m3 scales) as the
+Triton kernels use on CUDA.
 
 Reports the exact-match rate of the first N tokens, and the mean absolute difference of the
 chosen tokens' logprobs over the positions where both runs still agree (after a divergence the
@@ -17,6 +20,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--kv-dtype", default="int8", choices=["int8", "fp8"])
     args = ap.parse_args()
     from batchgen.bench import kv_quality
     from batchgen.models.loader import load_hf_model, load_tokenizer, resolve_model
@@ -25,7 +29,7 @@ def main() -> None:
     src = resolve_model("default")
     hf, tok = load_hf_model(src), load_tokenizer(src)
     prompts = [w.prompt_token_ids for w in sample_sharegpt(tok, args.num_prompts, args.tokens)]
-    print(json.dumps(kv_quality(hf, tok, prompts, args.tokens), indent=1))
+    print(json.dumps(kv_quality(hf, tok, prompts, args.tokens, kv_dtype=args.kv_dtype), indent=1))
 
 
 if __name__ == "__main__":

@@ -32,11 +32,12 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scal
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, acc_ptr, m_ptr, l_ptr, scale,
-                         stride_qs, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, len_ptr, acc_ptr, m_ptr, l_ptr, scale,
+                         stride_qs, stride_qh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt,
                          stride_as, stride_ah, stride_ax, stride_ms, stride_mh,
                          GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, WINDOW: tl.constexpr):
+                         BLOCK_SIZE: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, WINDOW: tl.constexpr,
+                         QUANT: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -63,6 +64,10 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, acc_ptr, m_ptr,
         kv_off = phys * stride_cb + s_off[:, None] * stride_cs + kvh * stride_ch + d[None, :]
         k = tl.load(kc_ptr + kv_off).to(tl.float32)  # [BLOCK_SIZE, HEAD_DIM]
         v = tl.load(vc_ptr + kv_off).to(tl.float32)
+        if QUANT:  # fp8: one scale per (token, head) beside the block
+            s_idx = phys * stride_sb + s_off * stride_ss + kvh
+            k = k * tl.load(ks_ptr + s_idx)[:, None]
+            v = v * tl.load(vs_ptr + s_idx)[:, None]
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_P, BLOCK_SIZE]
         kpos = b * BLOCK_SIZE + s_off
         valid = (kpos < ctx) & (kpos >= lo)
@@ -100,13 +105,16 @@ def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_as, stride_ah, 
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, blocks_per_split: int = 16, window: int = 0) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, blocks_per_split: int = 16, window: int = 0,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [num_seqs, heads, dim]; block_tables [num_seqs, max_blocks]; context_lens [num_seqs] (>= 1);
-    window > 0: each query sees only its last `window` keys."""
-    nb, bs, kvh, d = check_cache(k_cache, v_cache)
+    window > 0: each query sees only its last `window` keys. An fp8 cache takes its fp32 scales
+    [num_blocks, block_size, kv_heads]."""
+    nb, bs, kvh, d = check_cache(k_cache, v_cache, k_scale, v_scale)
+    quant = k_scale is not None
     check(q.dim() == 3 and q.shape[2] == d, f"q must be [num_seqs, heads, {d}], got {tuple(q.shape)}")
     check(q.shape[1] % kvh == 0, f"{q.shape[1]} query heads are not a multiple of {kvh} KV heads")
-    check(q.dtype == k_cache.dtype, f"q dtype {q.dtype} differs from the cache's {k_cache.dtype}")
+    check(quant or q.dtype == k_cache.dtype, f"q dtype {q.dtype} differs from the cache's {k_cache.dtype}")
     check(q.stride(-1) == 1, "q head_dim must be contiguous")
     check(block_tables.dim() == 2 and block_tables.shape[0] == q.shape[0],
           f"block_tables must be [{q.shape[0]}, max_blocks], got {tuple(block_tables.shape)}")
@@ -125,12 +133,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     acc = torch.empty((n, heads, splits, d), dtype=torch.float32, device=q.device)
     m = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
+    ks, vs = (k_scale, v_scale) if quant else (k_cache, v_cache)  # unused pointers when not quantised
     _decode_split_kernel[(n, kvh, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, acc, m, l, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        q, k_cache, v_cache, ks, vs, block_tables, context_lens, acc, m, l, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        ks.stride(0) if quant else 0, ks.stride(1) if quant else 0, block_tables.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         GROUP=group, GROUP_P=pow2(group), HEAD_DIM=d, BLOCK_SIZE=bs, BLOCKS_PER_SPLIT=blocks_per_split,
-        WINDOW=window)
+        WINDOW=window, QUANT=quant)
     _decode_reduce_kernel[(n, heads)](
         acc, m, l, out, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         out.stride(0), out.stride(1), NUM_SPLITS=splits, SPLITS_P=pow2(splits), HEAD_DIM=d)

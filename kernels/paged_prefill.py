@@ -36,10 +36,11 @@ def paged_prefill_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, len_ptr, out_ptr, scale,
-                    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, len_ptr, out_ptr, scale,
+                    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt,
+                    stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    WINDOW: tl.constexpr):
+                    WINDOW: tl.constexpr, QUANT: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -69,6 +70,10 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, len_ptr, out_ptr, sca
         off = phys * stride_cb + so[:, None] * stride_cs + kvh * stride_ch + d[None, :]
         k = tl.load(kc_ptr + off).to(tl.float32)
         v = tl.load(vc_ptr + off).to(tl.float32)
+        if QUANT:  # fp8: one scale per (token, head) beside the block
+            s_idx = phys * stride_sb + so * stride_ss + kvh
+            k = k * tl.load(ks_ptr + s_idx)[:, None]
+            v = v * tl.load(vs_ptr + s_idx)[:, None]
         s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_SIZE]
         kpos = b * BLOCK_SIZE + so
         visible = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < total)
@@ -89,13 +94,16 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, len_ptr, out_ptr, sca
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                  max_q_len: int | None = None, block_m: int = 16, window: int = 0) -> torch.Tensor:
+                  max_q_len: int | None = None, block_m: int = 16, window: int = 0,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [num_tokens, heads, dim] packed by cu_seqlens_q [num_seqs + 1]; context_lens [num_seqs]
-    count cached plus new tokens; the new tokens' K/V must already be in the cache."""
-    nb, bs, kvh, d = check_cache(k_cache, v_cache)
+    count cached plus new tokens; the new tokens' K/V must already be in the cache. An fp8 cache
+    takes its fp32 scales [num_blocks, block_size, kv_heads]."""
+    nb, bs, kvh, d = check_cache(k_cache, v_cache, k_scale, v_scale)
+    quant = k_scale is not None
     check(q.dim() == 3 and q.shape[2] == d, f"q must be [num_tokens, heads, {d}], got {tuple(q.shape)}")
     check(q.shape[1] % kvh == 0, f"{q.shape[1]} query heads are not a multiple of {kvh} KV heads")
-    check(q.dtype == k_cache.dtype, f"q dtype {q.dtype} differs from the cache's {k_cache.dtype}")
+    check(quant or q.dtype == k_cache.dtype, f"q dtype {q.dtype} differs from the cache's {k_cache.dtype}")
     check(q.stride(-1) == 1, "q head_dim must be contiguous")
     n_seqs = block_tables.shape[0]
     check(cu_seqlens_q.shape == (n_seqs + 1,), f"cu_seqlens_q must be [{n_seqs + 1}], got {tuple(cu_seqlens_q.shape)}")
@@ -109,9 +117,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     block_tables = block_tables.contiguous()
     grid = (n_seqs, q.shape[1], triton.cdiv(max_q_len, block_m))
+    ks, vs = (k_scale, v_scale) if quant else (k_cache, v_cache)  # unused pointers when not quantised
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, context_lens, out, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        ks.stride(0) if quant else 0, ks.stride(1) if quant else 0, block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=q.shape[1] // kvh, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_M=block_m,
-        WINDOW=window)
+        WINDOW=window, QUANT=quant)
     return out

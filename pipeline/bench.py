@@ -315,21 +315,22 @@ def format_sweep(report: dict) -> str:
     return "\n".join(lines)
 
 
-def kv_quality(hf, tok, prompts, tokens: int, dtype: str = "float32") -> dict:
-    """int8 KV against the unquantised cache: exact-match rate of the first `tokens` greedy
-    tokens, and mean |logprob difference| of the chosen tokens while both runs agree."""
+def kv_quality(hf, tok, prompts, tokens: int, dtype: str = "float32", kv_dtype: str = "int8") -> dict:
+    """Quantised (int8 or fp8) KV against the unquantised cache: exact-match rate of the first
+    `tokens` greedy tokens, and mean |logprob difference| of the chosen tokens while both runs
+    agree. fp8 runs on the torch path here (the same quantiser as the Triton kernels)."""
     from batchgen.engine.request import SamplingParams
     from batchgen.llm import Engine, EngineConfig, GenerationRequest
 
     sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=1)
     out = {}
-    for kv in ("auto", "int8"):
+    for kv in ("auto", kv_dtype):
         e = Engine(hf, tok, EngineConfig(dtype=dtype, kv_cache_dtype=kv, kv_cache_gib=1.0))
         out[kv] = {r.request_id: r for r in e.generate(GenerationRequest(str(i), p, sp) for i, p in enumerate(prompts))}
         out[kv + "_bytes_per_token"] = e.kv_bytes_per_token
     diffs, exact = [], 0
     for i in range(len(prompts)):
-        a, b = out["int8"][str(i)], out["auto"][str(i)]
+        a, b = out[kv_dtype][str(i)], out["auto"][str(i)]
         same = True
         for (ta, (la, _)), (tb, (lb, _)) in zip(zip(a.token_ids, a.logprobs), zip(b.token_ids, b.logprobs)):
             if ta != tb:
@@ -339,4 +340,5 @@ def kv_quality(hf, tok, prompts, tokens: int, dtype: str = "float32") -> dict:
         exact += same
     return {"prompts": len(prompts), "tokens": tokens, "exact_match_rate": round(exact / len(prompts), 3),
             "mean_abs_logprob_diff": round(sum(diffs) / len(diffs), 5), "max_abs_logprob_diff": round(max(diffs), 5),
-            "kv_bytes_per_token_fp": out["auto_bytes_per_token"], "kv_bytes_per_token_int8": out["int8_bytes_per_token"]}
+            "kv_dtype": kv_dtype, "kv_bytes_per_token_fp": out["auto_bytes_per_token"],
+            f"kv_bytes_per_token_{kv_dtype}": out[kv_dtype + "_bytes_per_token"]}

@@ -114,8 +114,9 @@ class EngineSpec(Strict):
     kv_cache_fraction: float = Field(0.25, gt=0, le=0.95)
     max_model_len: int | None = Field(None, ge=1, description="Cap on prompt + output tokens (default: the model's)")
     kv_cache_dtype: Literal["auto", "int8", "fp8"] = Field(
-        "auto", description="KV storage: auto (the model dtype) or int8 with per-token-head scales (~3.7x more "
-                            "tokens than fp32 on the CPU); fp8 is not implemented yet")
+        "auto", description="KV storage: auto (the model dtype); int8 with per-token-head scales (~3.7x more "
+                            "tokens than fp32, CPU paths); fp8 e4m3 with per-token-head scales (the Triton kernels "
+                            "on CUDA; on a CPU the torch path)")
     prefix_caching: bool = Field(True, description="Reuse KV of shared prompt prefixes (full blocks)")
     cpu_offload_gib: float = Field(0.0, ge=0, description="Host-memory KV tier for swapped-out requests and spilled "
                                                         "prefix blocks; 0 turns it off")
@@ -123,8 +124,11 @@ class EngineSpec(Strict):
         "auto", description="A preempted request's KV: swap to the CPU tier, recompute later, or auto (by estimated cost)")
     linear_path: Literal["auto", "plain", "onednn"] = Field("auto", description="CPU GEMM path; plain is F.linear")
     decode_attention: Literal["batched", "exact"] = "batched"
-    attention_backend: Literal["auto", "torch", "triton"] = Field(
-        "auto", description="auto: Triton kernels on CUDA, torch on CPU; torch forces the torch path on CUDA")
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
+        "auto", description="auto: Triton kernels on CUDA; on a CPU the C++ decode op (cpu), built on first use, or "
+                            "torch where no compiler is at hand. torch forces the plain torch path")
+    cuda_graphs: bool = Field(True, description="On CUDA with the Triton kernels, replay decode-only steps from CUDA "
+                                                "graphs captured per batch-size bucket")
     seed: int = Field(0, description="Seed of the shared stream used by unseeded rows")
     grace_s: float = Field(60.0, ge=0, description="After SIGTERM/SIGUSR1: seconds in-flight requests may finish "
                                                    "before the run flushes and exits 75")

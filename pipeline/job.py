@@ -47,7 +47,8 @@ def engine_config(spec: JobSpec):
                         prefix_caching=e.prefix_caching, cpu_offload_gib=e.cpu_offload_gib, preemption=e.preemption,
                         dtype=spec.model.dtype, kv_cache_dtype=e.kv_cache_dtype, device=spec.model.device,
                         linear_path=e.linear_path, decode_attention=e.decode_attention,
-                        attention_backend=e.attention_backend, seed=e.seed, profile=e.profile)
+                        attention_backend=e.attention_backend, cuda_graphs=e.cuda_graphs, seed=e.seed,
+                        profile=e.profile)
 
 
 def context_length(spec: JobSpec, model_config) -> int:

@@ -12,6 +12,7 @@ from .engine.kv_manager import KVCacheManager
 from .engine.request import Request, SamplingParams
 from .engine.scheduler import Scheduler, SchedulerConfig
 from .errors import ConfigError
+from .kernels import cpu_attention
 from .runner.linear import onednn_available
 from .runner.model import CausalLM, ModelShape
 from .runner.model_runner import KVCache, ModelRunner, kv_bytes_per_token_head
@@ -39,7 +40,8 @@ class EngineConfig:
     # auto | swap | recompute: what a preempted request's KV becomes.
     preemption: str = "auto"
     dtype: str = "auto"
-    # KV storage: "auto" (the model dtype) or "int8" (per-token-head scales; CPU torch path).
+    # KV storage: "auto" (the model dtype), "int8" (per-token-head scales; CPU paths) or "fp8"
+    # (e4m3, per-token-head scales; the Triton kernels on CUDA, the torch path on a CPU).
     kv_cache_dtype: str = "auto"
     device: str = "auto"
     # "auto": oneDNN packed GEMMs on CPU when available; "plain": F.linear (exact reference).
@@ -47,8 +49,11 @@ class EngineConfig:
     # "batched" (padded, one SDPA for all decodes) or "exact" (per sequence, bit-identical
     # to transformers' batch-1 decode).
     decode_attention: str = "batched"
-    # "auto": Triton kernels on CUDA, torch on CPU; "triton" on a CPU needs TRITON_INTERPRET=1.
+    # "auto": Triton kernels on CUDA; on a CPU the C++ decode op ("cpu") where it builds, else
+    # "torch". "triton" on a CPU needs TRITON_INTERPRET=1.
     attention_backend: str = "auto"
+    # Decode-only steps replay CUDA graphs captured per batch-size bucket (CUDA + Triton only).
+    cuda_graphs: bool = True
     seed: int = 0
     # "throughput" (as configured) or "latency": caps the batch at LATENCY_MAX_SEQS sequences
     # and LATENCY_MAX_TOKENS tokens a step, trading throughput for low inter-token latency.
@@ -174,14 +179,34 @@ class Engine:
                                     swap_s_per_block=2 * block_bytes / copy_bw)
         self.scheduler = Scheduler(sched_cfg, self.kv_manager)
         backend = cfg.attention_backend
+        if backend not in ("auto", "torch", "cpu", "triton"):
+            raise ConfigError(f"engine.attention_backend: {backend!r} is not one of auto, torch, cpu, triton")
+        fp8 = self.kv_dtype == torch.float8_e4m3fn
         if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
-        if backend not in ("torch", "triton"):
-            raise ConfigError(f"engine.attention_backend: {backend!r} is not one of auto, torch, triton")
+            if self.device.type == "cuda":
+                backend = "triton"
+            else:  # the C++ op reads float, bf16 and int8 caches; fp8 on a CPU stays on torch
+                backend = "cpu" if not fp8 and cpu_attention.available() else "torch"
+        elif backend == "cpu":
+            if self.device.type != "cpu":
+                raise ConfigError("engine.attention_backend: cpu runs on the CPU device only")
+            if fp8:
+                raise ConfigError("engine.kv_cache_dtype: fp8 is for CUDA (Triton kernels); on a CPU use int8, or "
+                                  "engine.attention_backend: torch")
+            try:
+                cpu_attention.load()
+            except RuntimeError as e:
+                raise ConfigError(f"engine.attention_backend: cpu: {e}") from e
         if backend == "triton" and self.kv_dtype == torch.int8:
-            raise ConfigError("engine.kv_cache_dtype: int8 runs on the torch path; set engine.attention_backend: torch")
+            raise ConfigError("engine.kv_cache_dtype: int8 runs on the CPU paths; on CUDA use fp8, or set "
+                              "engine.attention_backend: torch")
         self.attention_backend = backend
         self.runner = ModelRunner(self.model, self.kv_cache, cfg.decode_attention, cfg.seed, backend, self.window)
+        if cfg.cuda_graphs and backend == "triton" and self.device.type == "cuda":
+            from .runner.cuda_graphs import DecodeGraphs
+
+            self.runner.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.scheduler.config.max_num_seqs,
+                                              -(-self.max_model_len // cfg.block_size), self.window)
         self.eos_token_ids = self._eos_ids(hf_model, tokenizer)
         log.info("engine: %s %s, linear=%s, KV cache %d blocks x %d tokens = %.2f GiB (%d B/token), "
                  "CPU tier %d blocks = %.2f GiB", self.device, str(self.dtype).replace("torch.", ""), linear_path,
@@ -195,8 +220,7 @@ class Engine:
         if name == "int8":
             return torch.int8
         if name == "fp8":
-            raise ConfigError("engine.kv_cache_dtype: fp8 is not implemented yet (it needs the CUDA kernels); "
-                              "use int8 (CPU) or auto")
+            return torch.float8_e4m3fn
         raise ConfigError(f"engine.kv_cache_dtype: {name!r} is not one of auto, int8, fp8")
 
     @classmethod
@@ -320,6 +344,7 @@ class Engine:
         return {
             "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""), "linear_path": self.linear_path,
             "attention_backend": self.attention_backend,
+            "cuda_graph_replays": self.runner.graphs.replays if self.runner.graphs else 0,
             "num_kv_blocks": self.num_blocks, "block_size": self.config.block_size,
             "kv_cache_bytes": self.kv_cache.bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_cache_dtype": str(self.kv_dtype).replace("torch.", ""),

@@ -47,8 +47,8 @@ class ModelMemory:
         return self.params * DTYPE_BYTES[dtype]
 
     def kv_bytes_per_token(self, dtype: str) -> int:
-        # int8 KV keeps one fp32 scale per token and head beside the values.
-        scale = 4 if dtype == "int8" else 0
+        # int8 and fp8 KV keep one fp32 scale per token and head beside the values.
+        scale = 4 if dtype in ("int8", "fp8") else 0
         return 2 * self.layers * self.kv_heads * (self.head_dim * DTYPE_BYTES[dtype] + scale)
 
 

@@ -62,13 +62,40 @@ def _assert_match(res, ref):
 
 
 @pytest.mark.parametrize("linear_path", ["plain", "onednn"])
-@pytest.mark.parametrize("decode_attention", ["exact", "batched"])
-def test_greedy_matches_transformers_batched(family_model, reference, linear_path, decode_attention):
+@pytest.mark.parametrize("decode_attention,backend", [("exact", "torch"), ("batched", "torch"), ("batched", "cpu")])
+def test_greedy_matches_transformers_batched(family_model, reference, linear_path, decode_attention, backend):
     _, model = family_model
     ps, ref = reference
-    e = engine(model, linear_path=linear_path, decode_attention=decode_attention)
+    e = engine(model, linear_path=linear_path, decode_attention=decode_attention, attention_backend=backend)
+    assert e.attention_backend == backend
     _assert_match(run(e, ps), ref)
     e.kv_manager.pool.check_all_free()
+
+
+def test_auto_backend_on_cpu_is_the_cpp_op_and_falls_back_to_torch_without_it(family_model, monkeypatch):
+    from batchgen.kernels import cpu_attention
+
+    _, model = family_model
+    assert engine(model).attention_backend == "cpu"
+    monkeypatch.setattr(cpu_attention, "available", lambda: False)
+    assert engine(model).attention_backend == "torch"
+
+
+def test_cuda_graph_decode_path_matches_transformers(family_model, reference):
+    """The CUDA-graph decode path short of the capture itself (Triton's interpreter cannot be
+    captured): static buffers padded to bucket sizes, padding rows writing no KV, logits sliced
+    back. A padding row that wrote KV would corrupt a live sequence's block 0 and diverge."""
+    from batchgen.runner.cuda_graphs import DecodeGraphs, bucket_sizes
+
+    assert bucket_sizes(6) == [1, 2, 4, 6]
+    assert bucket_sizes(256)[:5] == [1, 2, 4, 8, 16] and bucket_sizes(256)[-2:] == [240, 256]
+    _, model = family_model
+    ps, ref = reference
+    e = engine(model, attention_backend="triton", max_num_seqs=6)
+    e.runner.graphs = DecodeGraphs(e.model, e.kv_cache.layers, 6, -(-e.max_model_len // 16), emulate=True)
+    _assert_match(run(e, ps[:5]), ref[:5])
+    g = e.runner.graphs
+    assert g.replays >= 14 and g.padded_rows > 0 and e.counters()["cuda_graph_replays"] == g.replays
 
 
 def test_greedy_matches_one_at_a_time(family_model, reference):
@@ -213,9 +240,15 @@ def test_int8_kv_cache_stays_close_and_carries_scales_through_the_cpu_tier(famil
     e = Engine(model, IdTokenizer(), EngineConfig(kv_cache_dtype="int8", kv_cache_gib=12 * per_block / 2**30,
                                                   cpu_offload_gib=64 * per_block / 2**30, preemption="swap"))
     assert e.kv_bytes_per_token < base.kv_bytes_per_token / 2 and e.num_blocks > 12
+    _assert_top5_close(e, engine(model), ps)
+    e.kv_manager.check_all_free()
+
+
+def _assert_top5_close(e, base, ps):
+    """Greedy tokens of e may leave base's only at near-ties (vLLM's rule: each side's token is
+    in the other's top-5), and at least half the prompts match exactly."""
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
-    ours = run(e, ps, sp)
-    full = run(engine(model), ps, sp)
+    ours, full = run(e, ps, sp), run(base, ps, sp)
     exact = 0
     for i in range(len(ps)):
         a, b = ours[(str(i), 0)], full[(str(i), 0)]
@@ -226,27 +259,48 @@ def test_int8_kv_cache_stays_close_and_carries_scales_through_the_cpu_tier(famil
         else:
             exact += 1
     assert exact >= len(ps) // 2
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_kv_cache_stays_close(family_model, reference, backend):
+    """fp8 (e4m3) KV with per-token-head scales: the Triton kernels (the CUDA path, here under
+    the interpreter) and the torch path quantise alike and stay within the top-5 rule."""
+    _, model = family_model
+    ps, _ = reference
+    ps = ps if backend == "torch" else ps[:4]
+    base = engine(model)
+    e = engine(model, kv_cache_dtype="fp8", attention_backend=backend, max_num_batched_tokens=24)
+    assert e.kv_cache.layers[0][0].dtype == torch.float8_e4m3fn and e.attention_backend == backend
+    assert e.kv_bytes_per_token < base.kv_bytes_per_token / 2
+    _assert_top5_close(e, base, ps)
     e.kv_manager.check_all_free()
 
 
-def test_cascade_decode_over_a_shared_prefix_matches_transformers(family_model):
+def test_fp8_kv_is_refused_on_the_cpp_op_with_a_clear_error(family_model):
+    from batchgen.errors import ConfigError
+
+    _, model = family_model
+    assert engine(model, kv_cache_dtype="fp8").attention_backend == "torch"
+    with pytest.raises(ConfigError, match="fp8 is for CUDA"):
+        engine(model, kv_cache_dtype="fp8", attention_backend="cpu")
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_cascade_decode_over_a_shared_prefix_matches_transformers(family_model, backend, monkeypatch):
     """Decodes sharing a cached 80-token prefix attend to it once (cascade) and still give
     transformers' greedy tokens."""
     _, model = family_model
     shared = prompts(seed=21, lengths=(80,))[0]
     ps = [shared + tail for tail in prompts(seed=22, lengths=(3, 9, 1, 14, 6))]
     ref = hf_greedy(model, ps, 12)
-    e = engine(model, max_num_seqs=8)
+    e = engine(model, max_num_seqs=8, attention_backend=backend)
     calls = []
     import batchgen.runner.attention as attn
 
-    orig = attn._decode_cascade
-    attn._decode_cascade = lambda *a: calls.append(1) or orig(*a)
-    try:
-        run(e, [ps[0]], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), ids=["warm"])
-        res = run(e, ps, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    finally:
-        attn._decode_cascade = orig
+    orig = attn._cascade_prefix
+    monkeypatch.setattr(attn, "_cascade_prefix", lambda *a: calls.append(1) or orig(*a))
+    run(e, [ps[0]], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), ids=["warm"])
+    res = run(e, ps, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert calls, "the cascade path ran"
     for i, want in enumerate(ref):
         assert res[(str(i), 0)].token_ids == want, f"prompt {i} diverged"

@@ -135,3 +135,87 @@ def test_launchers_reject_bad_shapes_and_dtypes():
         store_kv(torch.randn(3, 2, 64), torch.randn(3, 2, 64), kc, vc, torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="differ"):
         store_kv(torch.randn(3, 2, 64), torch.randn(3, 2, 64), kc, vc[:, :, :1], torch.zeros(3, dtype=torch.long))
+
+
+FP8 = torch.float8_e4m3fn
+FP8_SHAPES = [(2, 1, 64, 16), (1, 3, 64, 32), (2, 8, 128, 16)]
+
+
+def fp8_cache(num_blocks, bs, kvh, d, seed=0):
+    """An fp8 cache filled by the reference quantiser from random fp32 K/V, with its scales."""
+    from batchgen.kernels.store_kv import store_kv_reference
+
+    k32, v32 = make_cache(num_blocks, bs, kvh, d, torch.float32, seed)
+    kc = torch.zeros(num_blocks, bs, kvh, d, dtype=FP8, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    ks = torch.zeros(num_blocks, bs, kvh, device=DEVICE)
+    vs = torch.zeros_like(ks)
+    slots = torch.arange(num_blocks * bs, device=DEVICE)
+    store_kv_reference(k32.view(-1, kvh, d), v32.view(-1, kvh, d), kc, vc, slots, ks, vs)
+    return kc, vc, ks, vs
+
+
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=shape_id)
+def test_store_kv_fp8_quantises_per_token_head_and_skips_padding(shape):
+    from batchgen.kernels.store_kv import dequantize
+
+    kvh, _, d, bs = shape
+    n = 2 * bs + 3
+    k = rand(n, kvh, d, dtype=torch.float32, seed=2) * 3
+    v = rand(n, kvh, d, dtype=torch.float32, seed=3)
+    slots = torch.randperm(8 * bs, generator=torch.Generator().manual_seed(4))[:n].to(DEVICE)
+    slots[[0, 5]] = -1
+    caches = [torch.zeros(8, bs, kvh, d, dtype=FP8, device=DEVICE) for _ in range(4)]
+    scales = [torch.zeros(8, bs, kvh, device=DEVICE) for _ in range(4)]
+    store_kv(k, v, caches[0], caches[1], slots, scales[0], scales[1])
+    store_kv_reference(k, v, caches[2], caches[3], slots, scales[2], scales[3])
+    for a, b in ((0, 2), (1, 3)):
+        torch.testing.assert_close(scales[a], scales[b], rtol=1e-6, atol=0)
+        got, want = dequantize(caches[a], scales[a]), dequantize(caches[b], scales[b])
+        # At most one e4m3 step apart (3 mantissa bits: 2^-3 relative), should the kernel's
+        # division round the last fp32 bit the other way at a rounding boundary.
+        assert ((got - want).abs() <= want.abs() / 8 + 1e-6).all()
+    keep = slots >= 0
+    for x, c, s in ((k, caches[0], scales[0]), (v, caches[1], scales[1])):
+        back = dequantize(c, s).view(-1, kvh, d)[slots[keep]]
+        # e4m3 rounds to within half a step (2^-4 relative), subnormals within 2^-10 x scale.
+        bound = x[keep].abs() / 16 + s.view(-1, kvh)[slots[keep]][..., None] * 2**-9
+        assert ((back - x[keep]).abs() <= bound).all()
+    # Exactly the kept tokens got scales: the two padding slots wrote nothing.
+    assert int((scales[0] != 0).sum()) == int(keep.sum()) * kvh
+
+
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=shape_id)
+def test_paged_decode_and_prefill_over_an_fp8_cache(shape, qdtype):
+    """Against the fp32 reference over the dequantised cache: the kernels see the same values
+    (fp8 -> fp32 is exact, the scale product is one fp32 multiply), so fp32 tolerance holds."""
+    from batchgen.kernels.store_kv import dequantize
+
+    kvh, ratio, d, bs = shape
+    lengths = ragged_lengths(bs)
+    nblocks = sum(-(-n // bs) for n in lengths) + 4
+    kc, vc, ks, vs = fp8_cache(nblocks, bs, kvh, d)
+    k32, v32 = dequantize(kc, ks), dequantize(vc, vs)
+    tables = block_tables_for(lengths, bs, nblocks)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    scale = d ** -0.5
+    q = rand(len(lengths), kvh * ratio, d, dtype=qdtype, seed=SEED)
+    out = paged_decode(q, kc, vc, tables, lens, scale, blocks_per_split=2, k_scale=ks, v_scale=vs)
+    ref = paged_decode_reference(q.float(), k32, v32, tables, lens, scale)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-5 if qdtype == torch.float32 else 2e-2, rtol=1e-2)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    qp = rand(int(cu[-1]), kvh * ratio, d, dtype=qdtype, seed=SEED + 1)
+    out = paged_prefill(qp, kc, vc, tables, cu, lens, scale, k_scale=ks, v_scale=vs)
+    ref = paged_prefill_reference(qp.float(), k32, v32, tables, cu, lens, scale)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-5 if qdtype == torch.float32 else 2e-2, rtol=1e-2)
+
+
+def test_fp8_launchers_want_scales_of_the_cache_shape():
+    kc, vc, ks, vs = fp8_cache(4, 16, 2, 64)
+    q = torch.randn(2, 4, 64)
+    tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="fp8 cache needs k_scale"):
+        paged_decode(q, kc, vc, tables, lens, 0.1)
+    with pytest.raises(ValueError, match="scales must be"):
+        paged_decode(q, kc, vc, tables, lens, 0.1, k_scale=ks[:, :8], v_scale=vs[:, :8])

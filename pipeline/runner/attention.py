@@ -53,7 +53,8 @@ class AttentionMetadata:
     # "exact": one unpadded SDPA per sequence, bit-identical to transformers' batch-1 path.
     decode_mode: str = "batched"
     decode_buckets: list[DecodeBucket] | None = None
-    # "torch" (this file) or "triton" (batchgen.kernels; the default on CUDA).
+    # "torch" (this file), "cpu" (decodes through the C++ op in batchgen.kernels.cpu_attention,
+    # the rest as torch) or "triton" (batchgen.kernels; the default on CUDA).
     backend: str = "torch"
     # Triton path: prefill chunks packed after the decodes.
     # [num_prefills + 1] offsets of each chunk's tokens, relative to the first prefill token.
@@ -95,39 +96,58 @@ def decode_buckets(context_blocks: list[int], max_ratio: float = 1.3) -> list[tu
     return out
 
 
-class Int8Cache:
-    """An int8 K or V cache with one fp32 scale per (token, head), kept beside the blocks.
-    A token's scale is fixed when it is written, so partly filled blocks never need re-scaling;
-    the CPU tier and the prefix cache carry the scales with the blocks (same block ids)."""
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
-    def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, device, pin: bool = False):
-        self.data = torch.zeros((num_blocks, block_size, kv_heads, head_dim), dtype=torch.int8, device=device,
+
+class QuantCache:
+    """A quantised K or V cache, int8 or fp8 (e4m3), with one fp32 scale per (token, head) kept
+    beside the blocks. A token's scale is fixed when it is written, so partly filled blocks never
+    need re-scaling; the CPU tier and the prefix cache carry the scales with the blocks (same
+    block ids). int8 runs on the CPU paths; fp8 on the Triton kernels (and the torch path)."""
+
+    def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, device, pin: bool = False,
+                 dtype: torch.dtype = torch.int8):
+        if dtype not in QUANT_DTYPES:
+            raise ValueError(f"QuantCache: {dtype} is not int8 or float8_e4m3fn")
+        self.data = torch.zeros((num_blocks, block_size, kv_heads, head_dim), dtype=dtype, device=device,
                                 pin_memory=pin)
         self.scale = torch.zeros((num_blocks, block_size, kv_heads), dtype=torch.float32, device=device,
                                  pin_memory=pin)
+        # The largest magnitude the format holds: int8 +-127; e4m3 +-448.
+        self.qmax = 127.0 if dtype == torch.int8 else 448.0
 
     @property
     def shape(self) -> torch.Size:
         return self.data.shape
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
     def store(self, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         nb, bs, h, d = self.data.shape
         x = x.float()
-        scale = x.abs().amax(-1).clamp_min(1e-8) / 127.0  # [num_tokens, heads]
-        q = torch.round(x / scale[..., None]).clamp_(-127, 127).to(torch.int8)
-        self.data.view(nb * bs, h, d).index_copy_(0, slot_mapping, q)
+        scale = x.abs().amax(-1).clamp_min(1e-8) / self.qmax  # [num_tokens, heads]
+        y = (x / scale[..., None]).clamp_(-self.qmax, self.qmax)
+        q = torch.round(y).to(torch.int8) if self.dtype == torch.int8 else y.to(self.dtype)
+        self.raw.view(nb * bs, h, d).index_copy_(0, slot_mapping, q.view(self.raw.dtype))
         self.scale.view(nb * bs, h).index_copy_(0, slot_mapping, scale)
+
+    @property
+    def raw(self) -> torch.Tensor:
+        """The data as plain bytes where torch's CPU indexing lacks the type (fp8)."""
+        return self.data if self.dtype == torch.int8 else self.data.view(torch.uint8)
 
     def gather(self, tables: torch.Tensor) -> torch.Tensor:
         idx = tables.reshape(-1)
-        q = self.data.index_select(0, idx).view(*tables.shape, *self.data.shape[1:])
+        q = self.raw.index_select(0, idx).view(self.dtype).view(*tables.shape, *self.data.shape[1:])
         s = self.scale.index_select(0, idx).view(*tables.shape, *self.scale.shape[1:])
         return q.float() * s[..., None]
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
     """Write new tokens' K/V ([num_tokens, kv_heads, head_dim]) into the paged cache."""
-    if isinstance(k_cache, Int8Cache):
+    if isinstance(k_cache, QuantCache):
         k_cache.store(k, slot_mapping)
         v_cache.store(v, slot_mapping)
         return
@@ -137,10 +157,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, slot_mapping: t
 
 
 def gather_blocks(cache, tables: torch.Tensor) -> torch.Tensor:
-    """cache[tables] for block tables of any shape (dequantised for an Int8Cache); index_select
+    """cache[tables] for block tables of any shape (dequantised for a QuantCache); index_select
     copies whole blocks and ran ~1.35x faster than advanced indexing here (64 x 24 blocks:
     12.2 vs 9.5 ms)."""
-    if isinstance(cache, Int8Cache):
+    if isinstance(cache, QuantCache):
         return cache.gather(tables)
     return cache.index_select(0, tables.reshape(-1)).view(*tables.shape, *cache.shape[1:])
 
@@ -168,6 +188,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                 out[i] = _sdpa_one(q[i : i + 1], gather_context(k_cache, meta.decode_block_tables[i], ctx)[lo:],
                                    gather_context(v_cache, meta.decode_block_tables[i], ctx)[lo:], scale,
                                    causal=False)[0]
+        elif meta.backend == "cpu":
+            _decode_cpu_op(q, k_cache, v_cache, meta, scale, out)
         else:
             for grp in meta.cascade_groups or ():
                 out[grp.start : grp.end] = _decode_cascade(q[grp.start : grp.end], k_cache, v_cache, grp, scale)
@@ -244,20 +266,28 @@ def _attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return torch.matmul(torch.exp(s - lse[..., None]), v), lse
 
 
+def _cascade_prefix(q: torch.Tensor, k_cache, v_cache, blocks: torch.Tensor, scale: float):
+    """Every query of a cascade group against the shared prefix blocks at once (one matmul):
+    ([nd, kvh, group, d], lse [nd, kvh, group])."""
+    nd, nh, d = q.shape
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    g = nh // kvh
+    lp = blocks.shape[0] * bs
+    pk = gather_blocks(k_cache, blocks).view(1, lp, kvh, d).transpose(1, 2).to(q.dtype)
+    pv = gather_blocks(v_cache, blocks).view(1, lp, kvh, d).transpose(1, 2).to(q.dtype)
+    qg = q.view(nd, kvh, g, d).transpose(0, 1).reshape(1, kvh, nd * g, d)
+    o_p, lse_p = _attention_lse(qg, pk, pv, None, scale)
+    return o_p.view(kvh, nd, g, d).transpose(0, 1), lse_p.view(kvh, nd, g).transpose(0, 1)
+
+
 def _decode_cascade(q: torch.Tensor, k_cache, v_cache, grp: "CascadeGroup", scale: float) -> torch.Tensor:
     """Decodes that share a cached prefix: the prefix's K/V are read once for all queries (one
     matmul), each sequence's own suffix runs in buckets, and the two merge by log-sum-exp.
     Without this, each decode gathered its own copy of the shared prefix every step."""
     nd, nh, d = q.shape
-    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    kvh = k_cache.shape[2]
     g = nh // kvh
-    lp = grp.blocks.shape[0] * bs
-    pk = gather_blocks(k_cache, grp.blocks).view(1, lp, kvh, d).transpose(1, 2).to(q.dtype)
-    pv = gather_blocks(v_cache, grp.blocks).view(1, lp, kvh, d).transpose(1, 2).to(q.dtype)
-    qg = q.view(nd, kvh, g, d).transpose(0, 1).reshape(1, kvh, nd * g, d)  # every query at once
-    o_p, lse_p = _attention_lse(qg, pk, pv, None, scale)
-    o_p = o_p.view(kvh, nd, g, d).transpose(0, 1)  # [nd, kvh, g, d]
-    lse_p = lse_p.view(kvh, nd, g).transpose(0, 1)
+    o_p, lse_p = _cascade_prefix(q, k_cache, v_cache, grp.blocks, scale)
     out = torch.empty(nd, kvh, g, d, dtype=q.dtype, device=q.device)
     for b in grp.buckets:  # ranges relative to the group
         n = b.end - b.start
@@ -270,21 +300,63 @@ def _decode_cascade(q: torch.Tensor, k_cache, v_cache, grp: "CascadeGroup", scal
     return out.reshape(nd, nh, d)
 
 
+def _cpu_op_call(q, k_cache, v_cache, tables, lo, hi, scale, with_lse=False):
+    from batchgen.kernels.cpu_attention import paged_decode
+
+    if isinstance(k_cache, QuantCache):
+        return paged_decode(q, k_cache.data, v_cache.data, tables, lo, hi, scale, k_cache.scale, v_cache.scale,
+                            with_lse=with_lse)
+    return paged_decode(q, k_cache, v_cache, tables, lo, hi, scale, with_lse=with_lse)
+
+
+def _decode_cpu_op(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """Decodes through the C++ op, which reads K/V in place (no gather, no padding). Cascade
+    groups attend their shared prefix once (one matmul, as on the torch path) and their own
+    suffixes through the op, merged by log-sum-exp."""
+    bs = k_cache.shape[1]
+    tables, lens = meta.decode_block_tables, meta.decode_context_lens
+    start = 0
+    for grp in meta.cascade_groups or ():
+        nd, nh, d = q[grp.start : grp.end].shape
+        kvh = k_cache.shape[2]
+        o_p, lse_p = _cascade_prefix(q[grp.start : grp.end], k_cache, v_cache, grp.blocks, scale)
+        shared = grp.blocks.shape[0]
+        suffix_lens = lens[grp.start : grp.end] - shared * bs
+        o_s, lse_s = _cpu_op_call(q[grp.start : grp.end], k_cache, v_cache,
+                                  tables[grp.start : grp.end, shared:].contiguous(), torch.zeros_like(suffix_lens),
+                                  suffix_lens, scale, with_lse=True)
+        lse_s = lse_s.view(nd, kvh, nh // kvh)
+        m = torch.maximum(lse_p, lse_s)
+        wp, ws = torch.exp(lse_p - m), torch.exp(lse_s - m)
+        o = (wp[..., None] * o_p + ws[..., None] * o_s.view(nd, kvh, nh // kvh, d)) / (wp + ws)[..., None]
+        out[grp.start : grp.end] = o.reshape(nd, nh, d).to(out.dtype)
+        start = grp.end
+    if start < meta.num_decodes:
+        hi = lens[start:]
+        lo = (hi - meta.window).clamp_min(0) if meta.window else torch.zeros_like(hi)
+        out[start : meta.num_decodes] = _cpu_op_call(q[start : meta.num_decodes], k_cache, v_cache,
+                                                     tables[start:].contiguous(), lo, hi, scale)
+
+
 def _triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    if isinstance(k_cache, Int8Cache):
-        raise NotImplementedError("int8 KV runs on the torch path; the Triton kernels take float caches")
     from batchgen.kernels.paged_decode import paged_decode
     from batchgen.kernels.paged_prefill import paged_prefill
     from batchgen.kernels.store_kv import store_kv as triton_store_kv
 
-    triton_store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+    scales = {}
+    if isinstance(k_cache, QuantCache):
+        if k_cache.dtype != torch.float8_e4m3fn:
+            raise NotImplementedError("int8 KV runs on the CPU paths; the Triton kernels take float or fp8 caches")
+        scales = dict(k_scale=k_cache.scale, v_scale=v_cache.scale)
+        k_cache, v_cache = k_cache.data, v_cache.data
+    triton_store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping, **scales)
     nd = meta.num_decodes
     parts = []
     if nd:
         parts.append(paged_decode(q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_tables,
-                                  meta.decode_context_lens, scale, window=meta.window or 0))
+                                  meta.decode_context_lens, scale, window=meta.window or 0, **scales))
     if meta.prefills:
         parts.append(paged_prefill(q[nd:].contiguous(), k_cache, v_cache, meta.prefill_block_tables,
                                    meta.prefill_cu_seqlens, meta.prefill_context_lens, scale, meta.max_prefill_len,
-                                   window=meta.window or 0))
+                                   window=meta.window or 0, **scales))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

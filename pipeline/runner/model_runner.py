@@ -4,14 +4,14 @@ from __future__ import annotations
 import torch
 
 from ..engine.outputs import RunnerOutput, ScheduledSeq
-from .attention import AttentionMetadata, CascadeGroup, DecodeBucket, Int8Cache, PrefillSeq, decode_buckets
+from .attention import AttentionMetadata, CascadeGroup, DecodeBucket, PrefillSeq, QUANT_DTYPES, QuantCache, decode_buckets
 from .model import CausalLM
 from .sampler import Sampler
 
 
 def kv_bytes_per_token_head(dtype: torch.dtype, head_dim: int) -> int:
     """Bytes one token takes per KV head in one of K or V (int8 adds its fp32 scale)."""
-    if dtype == torch.int8:
+    if dtype in QUANT_DTYPES:
         return head_dim + 4
     return head_dim * torch.finfo(dtype).bits // 8
 
@@ -21,12 +21,12 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, num_cpu_blocks: int = 0) -> None:
-        """dtype torch.int8 makes an int8 cache with per-(token, head) scales (Int8Cache)."""
+        """dtype int8 or float8_e4m3fn makes a quantised cache with per-(token, head) scales."""
         pin = device.type == "cuda"
 
         def make(n: int, dev, pinned: bool):
-            if dtype == torch.int8:
-                return Int8Cache(n, block_size, num_kv_heads, head_dim, dev, pinned)
+            if dtype in QUANT_DTYPES:
+                return QuantCache(n, block_size, num_kv_heads, head_dim, dev, pinned, dtype)
             return torch.zeros((n, block_size, num_kv_heads, head_dim), dtype=dtype, device=dev, pin_memory=pinned)
 
         self.layers = [(make(num_blocks, device, False), make(num_blocks, device, False)) for _ in range(num_layers)]
@@ -50,7 +50,7 @@ class KVCache:
         for dev, cpu in zip(self.layers, self.cpu_layers):
             for d, c in zip(dev, cpu):
                 src, dst = (d, c) if to_cpu else (c, d)
-                parts = [(src.data, dst.data), (src.scale, dst.scale)] if isinstance(src, Int8Cache) else [(src, dst)]
+                parts = [(src.raw, dst.raw), (src.scale, dst.scale)] if isinstance(src, QuantCache) else [(src, dst)]
                 for a, b in parts:
                     copy_blocks(a, b, src_ids, dst_ids)
 
@@ -65,6 +65,8 @@ class ModelRunner:
         self.backend = backend
         self.sampler = Sampler(seed)
         self.device = model.device
+        # Set by the engine on CUDA (Triton backend): decode-only steps replay CUDA graphs.
+        self.graphs = None
 
     def execute(self, seqs: list[ScheduledSeq], copy_to_cpu=(), copy_to_device=()) -> RunnerOutput:
         # Out before in: a block spilled this step may be the target of a load this step.
@@ -74,6 +76,11 @@ class ModelRunner:
             return RunnerOutput()
         # Decodes first: groups sharing a cached prefix (cascade), then the rest by context
         # length, so attention runs them in contiguous buckets; prefill chunks after them.
+        if self.graphs is not None and all(len(s.token_ids) == 1 and s.sample for s in seqs):
+            logits = self._graph_decode(seqs)
+            if logits is not None:
+                tokens = self.sampler(logits, seqs)
+                return RunnerOutput({s.request_id: t for s, t in zip(seqs, tokens)})
         decodes = sorted((s for s in seqs if len(s.token_ids) == 1), key=lambda s: s.start_pos)
         groups, rest = self._cascade_groups(decodes)
         ordered = [s for g, _ in groups for s in g] + rest + [s for s in seqs if len(s.token_ids) > 1]
@@ -120,7 +127,9 @@ class ModelRunner:
             width = max(len(t) for t in decode_tables)
             meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
             meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long)
-            if self.decode_mode == "batched" and self.backend == "torch":
+            if self.decode_mode == "batched" and self.backend in ("torch", "cpu"):
+                # The C++ op reads the tables directly; only the torch path needs padded buckets.
+                buckets = self._buckets if self.backend == "torch" else (lambda tables, lens: [])
                 start, meta.cascade_groups = 0, []
                 for members, shared in groups:
                     end = start + len(members)
@@ -128,15 +137,27 @@ class ModelRunner:
                     lens = meta.decode_context_lens[start:end] - shared * bs
                     meta.cascade_groups.append(CascadeGroup(start, end, torch.tensor(decode_tables[start][:shared],
                                                                                     dtype=torch.long),
-                                                            self._buckets(tables, lens)))
+                                                            buckets(tables, lens)))
                     start = end
                 meta.decode_buckets = [DecodeBucket(b.start + start, b.end + start, b.block_tables, b.mask)
-                                       for b in self._buckets(meta.decode_block_tables[start:],
-                                                              meta.decode_context_lens[start:])]
+                                       for b in buckets(meta.decode_block_tables[start:],
+                                                        meta.decode_context_lens[start:])]
         if self.backend == "triton":
             self._triton_meta(meta, seqs)
         return (self._dev(torch.tensor(ids, dtype=torch.long)), self._dev(torch.tensor(pos, dtype=torch.long)), slots,
                 meta, (self._dev(torch.tensor(sample_idx, dtype=torch.long)), sample_seq))
+
+    def _graph_decode(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
+        """A decode-only step through the CUDA graphs, or None where it does not fit them."""
+        bs = self.kv.block_size
+        width = max(len(s.block_table) for s in seqs)
+        if not self.graphs.fits(len(seqs), width):
+            return None
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
+        pos = [s.start_pos for s in seqs]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
+        return self.graphs.run(torch.tensor([s.token_ids[0] for s in seqs]), torch.tensor(pos), torch.tensor(slots),
+                               tables, torch.tensor([p + 1 for p in pos], dtype=torch.int32))
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True) if t.device != self.device else t
@@ -165,7 +186,7 @@ class ModelRunner:
         """Split decodes (sorted by length) into groups that share at least min_blocks physical
         blocks at the front of their tables (a prefix-cache hit), and the rest. Returns
         ([(members, shared_blocks)], rest); members keep their length order."""
-        if self.window or self.decode_mode != "batched" or self.backend != "torch" or len(decodes) < 2:
+        if self.window or self.decode_mode != "batched" or self.backend not in ("torch", "cpu") or len(decodes) < 2:
             return [], decodes
         by_first: dict[int, list[ScheduledSeq]] = {}
         for s in decodes:

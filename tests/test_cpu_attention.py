@@ -1,0 +1,79 @@
+"""The C++ CPU decode-attention op against a plain torch reference (fp32 math)."""
+import pytest
+import torch
+
+from batchgen.kernels import cpu_attention as ca
+
+pytestmark = pytest.mark.skipif(not ca.available(), reason="no C++ compiler: the engine keeps the torch path")
+
+
+def _case(heads, kvh, d, bs, lens, dtype, seed=0, lo=None):
+    g = torch.Generator().manual_seed(seed)
+    n = len(lens)
+    blocks = [-(-x // bs) for x in lens]
+    nb = sum(blocks) + 3
+    kc = torch.randn(nb, bs, kvh, d, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, kvh, d, generator=g).to(dtype)
+    perm = torch.randperm(nb, generator=g)
+    width = max(blocks)
+    tables = torch.zeros(n, width, dtype=torch.long)
+    c = 0
+    for i, b in enumerate(blocks):
+        tables[i, :b] = perm[c : c + b]
+        c += b
+    q = torch.randn(n, heads, d, generator=g).to(dtype)
+    hi = torch.tensor(lens, dtype=torch.long)
+    lo = torch.tensor(lo if lo is not None else [0] * n, dtype=torch.long)
+    return q, kc, vc, tables, lo, hi
+
+
+LENS = [1, 15, 16, 17, 33, 200, 64]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kvh", [(4, 4), (9, 3), (16, 2), (12, 1)])  # GQA 1, 3, 8 and 12 (generic)
+@pytest.mark.parametrize("d", [64, 128, 32])  # 32: the generic (non-AVX-512-specialised) kernel
+@pytest.mark.parametrize("bs", [16, 32])
+def test_op_matches_reference(dtype, heads, kvh, d, bs):
+    q, kc, vc, tables, lo, hi = _case(heads, kvh, d, bs, LENS, dtype)
+    out, lse = ca.paged_decode(q, kc, vc, tables, lo, hi, d ** -0.5, with_lse=True)
+    ref, ref_lse = ca.paged_decode_reference(q.float(), kc, vc, tables, lo, hi, d ** -0.5)
+    assert out.dtype == dtype
+    # fp32 math inside; bf16 only rounds the output, so the bound is bf16's half-ulp at |x| <= ~4.
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_lo_hi_select_a_window_and_an_empty_range_gives_zeros():
+    q, kc, vc, tables, lo, hi = _case(9, 3, 64, 16, [40, 40, 5, 100], torch.float32, lo=[0, 25, 5, 99])
+    out, lse = ca.paged_decode(q, kc, vc, tables, lo, hi, 0.125, with_lse=True)
+    ref, ref_lse = ca.paged_decode_reference(q[:2], kc, vc, tables[:2], lo[:2], hi[:2], 0.125)
+    torch.testing.assert_close(out[:2], ref)
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and (lse[2] < -1e29).all()
+    ref1, _ = ca.paged_decode_reference(q[3:], kc, vc, tables[3:], lo[3:], hi[3:], 0.125)
+    torch.testing.assert_close(out[3:], ref1)  # one key: softmax is exactly 1, out is that V row
+
+
+def test_int8_cache_with_scales():
+    from batchgen.runner.attention import QuantCache
+
+    q, kc, vc, tables, lo, hi = _case(9, 3, 64, 16, LENS, torch.float32)
+    kq = QuantCache(kc.shape[0], 16, 3, 64, "cpu")
+    vq = QuantCache(kc.shape[0], 16, 3, 64, "cpu")
+    slots = torch.arange(kc.shape[0] * 16)
+    kq.store(kc.view(-1, 3, 64), slots)
+    vq.store(vc.view(-1, 3, 64), slots)
+    out = ca.paged_decode(q, kq.data, vq.data, tables, lo, hi, 0.125, kq.scale, vq.scale)
+    ref, _ = ca.paged_decode_reference(q, kq.data, vq.data, tables, lo, hi, 0.125, kq.scale, vq.scale)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_arguments_are_refused_with_a_message():
+    q, kc, vc, tables, lo, hi = _case(9, 3, 64, 16, [5, 9], torch.float32)
+    with pytest.raises(RuntimeError, match="block_tables must be contiguous int64"):
+        ca.paged_decode(q, kc, vc, tables.int(), lo, hi, 0.125)
+    with pytest.raises(RuntimeError, match="heads must be a multiple of kv_heads"):
+        ca.paged_decode(q[:, :8], kc, vc, tables, lo, hi, 0.125)
+    with pytest.raises(RuntimeError, match="int8 cache needs"):
+        ca.paged_decode(q, kc.to(torch.int8), vc.to(torch.int8), tables, lo, hi, 0.125)
