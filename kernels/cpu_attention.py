@@ -1,4 +1,5 @@
-"""The CPU decode-attention op (csrc/paged_attention_cpu.cpp), built on first use.
+"""The CPU ops (csrc/): decode attention over the paged cache, and fused elementwise layer ops
+(RMSNorm with the residual add, rotary embedding, SiLU-and-multiply). Built on first use.
 
 It is compiled once per source, compiler flags and CPU (it is built with -march=native) into
 $BATCHGEN_CACHE/ext (default ~/.cache/batchgen/ext); later processes only load the library.
@@ -10,6 +11,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -17,7 +20,7 @@ import torch
 
 log = logging.getLogger("batchgen")
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "fused_cpu.cpp")]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it. The library then needs
 # libgomp.so.1, which resolves to the copy torch has already loaded (same soname): one thread pool.
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17"]
@@ -38,11 +41,25 @@ def _cpu_id() -> str:
 def _build_dir() -> Path:
     from batchgen.models.loader import cache_root
 
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_id().encode()
-                         + torch.__version__.encode()).hexdigest()[:16]
-    d = cache_root() / "ext" / f"paged_attention_cpu_{key}"
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(_FLAGS).encode()
+                         + _cpu_id().encode() + torch.__version__.encode()).hexdigest()[:16]
+    d = cache_root() / "ext" / f"cpu_ops_{key}"
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def _ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the ninja wheel's binary sits in the venv, which a plain
+    `.venv/bin/python` run does not put there."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+
+        bin_dir = ninja.BIN_DIR
+    except (ImportError, AttributeError):
+        bin_dir = os.path.join(sys.prefix, "bin")
+    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
 def load() -> None:
@@ -55,10 +72,12 @@ def load() -> None:
         try:
             from torch.utils.cpp_extension import load as cpp_load
 
-            cpp_load(name="batchgen_paged_attention_cpu", sources=[str(_SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+            _ninja_on_path()
+
+            cpp_load(name="batchgen_cpu_ops", sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
                      build_directory=str(_build_dir()), is_python_module=False, verbose=False)
         except Exception as e:  # no compiler, no ninja, a failed build: all mean "not here"
-            _state["error"] = f"the CPU attention op could not be built: {type(e).__name__}: {str(e)[-2000:]}"
+            _state["error"] = f"the CPU ops could not be built: {type(e).__name__}: {str(e)[-2000:]}"
             raise RuntimeError(_state["error"]) from e
         _state["loaded"] = True
 
@@ -71,25 +90,39 @@ def available() -> bool:
         load()
         return True
     except RuntimeError as e:
-        log.warning("%s; decode attention stays on the torch path", e)
+        log.warning("%s; attention and the layer ops stay on the torch path", e)
         return False
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  lo: torch.Tensor, hi: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, with_lse: bool = False):
+                 v_scale: torch.Tensor | None = None, with_lse: bool = False, out: torch.Tensor | None = None):
     """Each row i of q [n, heads, dim] attends to keys [lo[i], hi[i]) of its block table.
     Caches [blocks, block_size, kv_heads, dim] in float32/bfloat16, or int8 with per-(slot, head)
-    scales [blocks, block_size, kv_heads]. Returns out [n, heads, dim] (and the fp32 log-sum-exp of
-    the scaled scores [n, heads] with with_lse)."""
+    scales [blocks, block_size, kv_heads]. Returns out [n, heads, dim] in q's dtype (written into
+    `out` when given: contiguous, q's shape and dtype), and with with_lse also the fp32
+    log-sum-exp of the scaled scores [n, heads]."""
     load()
-    qf = q.to(torch.float32).contiguous()
-    out = torch.empty(q.shape, dtype=torch.float32)
+    n, heads, d = q.shape
+    native = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _fast(heads, k_cache.shape[2], d))
+    qx = q.contiguous() if native else q.to(torch.float32).contiguous()
+    ox = out if native and out is not None else torch.empty(q.shape, dtype=qx.dtype)
     lse = torch.empty(q.shape[:2], dtype=torch.float32) if with_lse else None
-    torch.ops.batchgen_cpu.paged_decode(out, lse, qf, k_cache, v_cache, k_scale, v_scale, block_tables, lo, hi,
+    torch.ops.batchgen_cpu.paged_decode(ox, lse, qx, k_cache, v_cache, k_scale, v_scale, block_tables, lo, hi,
                                         float(scale))
-    out = out.to(q.dtype)
-    return (out, lse) if with_lse else out
+    if ox.dtype != q.dtype or (out is not None and ox is not out):
+        ox = out.copy_(ox) if out is not None else ox.to(q.dtype)
+    return (ox, lse) if with_lse else ox
+
+
+_fast_cache: dict = {}
+
+
+def _fast(heads: int, kv_heads: int, head_dim: int) -> bool:
+    key = (heads, kv_heads, head_dim)
+    if key not in _fast_cache:
+        _fast_cache[key] = bool(torch.ops.batchgen_cpu.has_fast_path(heads, kv_heads, head_dim))
+    return _fast_cache[key]
 
 
 def paged_decode_reference(q, k_cache, v_cache, block_tables, lo, hi, scale, k_scale=None, v_scale=None):
@@ -111,3 +144,23 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, lo, hi, scale, k_s
         lse[i] = torch.logsumexp(s, -1)
         out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
     return out, lse
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """h += delta (in place, when given), then RMSNorm(h) * weight: [n, hidden] -> [n, hidden]."""
+    out = torch.empty(h.shape, dtype=h.dtype)
+    torch.ops.batchgen_cpu.add_rms_norm(out, h, delta, weight, float(eps))
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in place: x [n, heads, dim] (rows may be strided), cos/sin [n, dim]."""
+    torch.ops.batchgen_cpu.rope_(x, cos, sin)
+    return x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[n, 2 * inter] -> silu(gate) * up, [n, inter]."""
+    out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
+    torch.ops.batchgen_cpu.silu_mul(out, gate_up)
+    return out

@@ -201,6 +201,9 @@ class Engine:
             raise ConfigError("engine.kv_cache_dtype: int8 runs on the CPU paths; on CUDA use fp8, or set "
                               "engine.attention_backend: torch")
         self.attention_backend = backend
+        # The C++ fused layer ops ride along with the C++ attention op, except on the exact
+        # reference paths (linear_path plain, decode_attention exact), which keep torch's ops.
+        self.model.fused = backend == "cpu" and linear_path != "plain" and cfg.decode_attention == "batched"
         self.runner = ModelRunner(self.model, self.kv_cache, cfg.decode_attention, cfg.seed, backend, self.window)
         if cfg.cuda_graphs and backend == "triton" and self.device.type == "cuda":
             from .runner.cuda_graphs import DecodeGraphs
@@ -343,7 +346,7 @@ class Engine:
         t = self.kv_manager.tier
         return {
             "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""), "linear_path": self.linear_path,
-            "attention_backend": self.attention_backend,
+            "attention_backend": self.attention_backend, "fused_layer_ops": self.model.fused,
             "cuda_graph_replays": self.runner.graphs.replays if self.runner.graphs else 0,
             "num_kv_blocks": self.num_blocks, "block_size": self.config.block_size,
             "kv_cache_bytes": self.kv_cache.bytes, "kv_bytes_per_token": self.kv_bytes_per_token,

@@ -77,3 +77,54 @@ def test_bad_arguments_are_refused_with_a_message():
         ca.paged_decode(q[:, :8], kc, vc, tables, lo, hi, 0.125)
     with pytest.raises(RuntimeError, match="int8 cache needs"):
         ca.paged_decode(q, kc.to(torch.int8), vc.to(torch.int8), tables, lo, hi, 0.125)
+
+
+# The fused layer ops against the torch ops they replace (math in fp32, one rounding at the end:
+# bf16 may differ from torch's op-by-op rounding by one bf16 step).
+def _tol(dtype):
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_adds_in_place_then_normalises(dtype):
+    from batchgen.runner.model import rms_norm
+
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(37, 576, generator=g).to(dtype)
+    delta = torch.randn(37, 576, generator=g).to(dtype)
+    w = torch.rand(576, generator=g).to(dtype) + 0.5
+    want_h = h + delta
+    want = rms_norm(want_h, w, 1e-5)
+    got = ca.add_rms_norm(h, delta, w, 1e-5)
+    torch.testing.assert_close(h, want_h, **_tol(dtype))  # h was updated in place
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    torch.testing.assert_close(ca.add_rms_norm(h, None, w, 1e-5), rms_norm(h, w, 1e-5), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_on_a_strided_qk_view(dtype):
+    from batchgen.runner.model import rotate_half
+
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(11, (9 + 3 + 3) * 64, generator=g).to(dtype)
+    cos, sin = torch.randn(11, 64, generator=g).to(dtype), torch.randn(11, 64, generator=g).to(dtype)
+    qk = qkv[:, : 12 * 64].view(11, 12, 64)  # rows strided by the V columns after them
+    want = qk.float() * cos.float()[:, None] + rotate_half(qk.float()) * sin.float()[:, None]
+    v_before = qkv[:, 12 * 64 :].clone()
+    ca.rope_(qk, cos, sin)
+    torch.testing.assert_close(qk.float(), want, **_tol(dtype))
+    assert torch.equal(qkv[:, 12 * 64 :], v_before)  # V untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(dtype):
+    gu = torch.randn(9, 2 * 1536, generator=torch.Generator().manual_seed(5)).to(dtype)
+    want = torch.nn.functional.silu(gu[:, :1536].float()) * gu[:, 1536:].float()
+    torch.testing.assert_close(ca.silu_mul(gu).float(), want, **_tol(dtype))
+
+
+def test_fused_ops_refuse_mismatched_shapes():
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ca.add_rms_norm(torch.randn(2, 8), None, torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match="width must be even"):
+        ca.silu_mul(torch.randn(2, 7))

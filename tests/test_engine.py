@@ -230,17 +230,19 @@ def test_evicted_prefix_blocks_spill_to_cpu_and_reload_on_a_hit(family_model):
     e.kv_manager.check_all_free()
 
 
-def test_int8_kv_cache_stays_close_and_carries_scales_through_the_cpu_tier(family_model, reference):
-    """int8 KV: greedy tokens may flip only at near-ties (vLLM's rule: each side's token in the
-    other's top-5); the CPU tier must move the scales with the blocks."""
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantised_kv_cache_stays_close_and_carries_scales_through_the_cpu_tier(family_model, reference, kv_dtype):
+    """int8/fp8 KV: greedy tokens may flip only at near-ties (vLLM's rule: each side's token in
+    the other's top-5); the CPU tier must move the scales with the blocks."""
     _, model = family_model
     ps, ref = reference
     base = engine(model)
-    per_block = base.kv_bytes_per_token * 16
-    e = Engine(model, IdTokenizer(), EngineConfig(kv_cache_dtype="int8", kv_cache_gib=12 * per_block / 2**30,
+    per_block = engine(model, kv_cache_dtype=kv_dtype).kv_bytes_per_token * 16
+    e = Engine(model, IdTokenizer(), EngineConfig(kv_cache_dtype=kv_dtype, kv_cache_gib=12 * per_block / 2**30,
                                                   cpu_offload_gib=64 * per_block / 2**30, preemption="swap"))
-    assert e.kv_bytes_per_token < base.kv_bytes_per_token / 2 and e.num_blocks > 12
+    assert e.kv_bytes_per_token < base.kv_bytes_per_token / 2 and e.num_blocks == 12
     _assert_top5_close(e, engine(model), ps)
+    assert e.counters()["preemptions_swap"] > 0  # blocks (and their scales) went out and back
     e.kv_manager.check_all_free()
 
 

@@ -144,13 +144,28 @@ inline void prefetch_rows(const KT* p, int64_t rows, int64_t row) {
   }
 }
 
-// The next block's K or V rows (all heads: a block is one contiguous span). Blocks sit at
-// random places, which the hardware prefetcher cannot guess.
-template <typename KT>
-inline void prefetch_block(const KT* p, int64_t rows, int64_t row) {
+// One head's slice of a K or V row (D values), into L2, for a later iteration.
+template <int D, typename KT>
+inline void prefetch_row(const KT* p) {
   const char* c = reinterpret_cast<const char*>(p);
-  const int64_t bytes = rows * row * static_cast<int64_t>(sizeof(KT));
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
+  for (int off = 0; off < static_cast<int>(sizeof(KT)) * D; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
+}
+
+// Element i (< 8) of the result = the sum of the 16 lanes of a[i]: ~3 shuffles and adds per
+// vector instead of the ~8 of one _mm512_reduce_add_ps each.
+inline __m256 transpose_sum8(const __m512* a) {
+  __m512 c[4], d[2];
+  for (int i = 0; i < 4; ++i)  // 256-bit halves: [a(2i): 8 partials | a(2i+1): 8 partials]
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)  // 128-bit lane L: 4 partials of a(4i + L)
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // Lane L: [a(L), a(4+L), a(L), a(4+L)] partial pairs, then whole sums in elements 0 and 1.
+  __m512 e = _mm512_add_ps(_mm512_unpacklo_ps(d[0], d[1]), _mm512_unpackhi_ps(d[0], d[1]));
+  e = _mm512_add_ps(e, _mm512_permute_ps(e, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, e));
 }
 
 // One sequence, every KV head, G query heads per KV head of ND x 16 dims. Walking block by block
@@ -168,7 +183,9 @@ void decode_seq_avx512(float* o, float* lse, const float* q, const KT* kc, const
   // Scores: one pass over K. scores[(h * G + g) * len + (t - lo)]
   for (int64_t t = lo; t < hi;) {
     const int64_t blk = t / bs, off = t - blk * bs, stop = std::min(hi, (blk + 1) * bs);
-    if (stop < hi) prefetch_block(kc + table[blk + 1] * bs * row, std::min<int64_t>(bs, hi - stop), row);
+    // The next block's rows are prefetched a row at a time, a block ahead, spread over this
+    // block's work (a burst of a whole block's lines overflowed the miss queues).
+    const int64_t nxt = stop < hi ? table[blk + 1] : -1;
     const int64_t slot0 = table[blk] * bs + off, cnt = stop - t;
     for (int64_t h = 0; h < kvh; ++h) {
       __m512 qv[G][ND];
@@ -176,17 +193,32 @@ void decode_seq_avx512(float* o, float* lse, const float* q, const KT* kc, const
         for (int j = 0; j < ND; ++j)
           qv[g][j] = _mm512_mul_ps(_mm512_loadu_ps(q + (h * G + g) * D + j * 16), vscale);
       float* sc = scores + h * G * len + (t - lo);
-      for (int64_t i = 0; i < cnt; ++i) {
-        const int64_t slot = slot0 + i;
-        const KT* kp = kc + slot * row + h * D;
-        __m512 kv[ND];
-        for (int j = 0; j < ND; ++j) kv[j] = load16(kp + j * 16);
-        const float ksc = ks ? ks[slot * kvh + h] : 1.f;
-        for (int g = 0; g < G; ++g) {
-          __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
-          for (int j = 1; j < ND; ++j) a = _mm512_fmadd_ps(qv[g][j], kv[j], a);
-          sc[g * len + i] = _mm512_reduce_add_ps(a) * ksc;
+      const KT* next = nxt >= 0 ? kc + nxt * bs * row + h * D : nullptr;
+      for (int64_t i0 = 0; i0 < cnt; i0 += 8) {
+        const int64_t n8 = std::min<int64_t>(8, cnt - i0);
+        __m512 acc[G][8];
+        for (int64_t i = 0; i < 8; ++i) {
+          if (i < n8) {
+            const int64_t slot = slot0 + i0 + i;
+            const KT* kp = kc + slot * row + h * D;
+            if (next) prefetch_row<D>(next + (i0 + i) * row);
+            __m512 kv[ND];
+            for (int j = 0; j < ND; ++j) kv[j] = load16(kp + j * 16);
+            if (ks) {
+              const __m512 ksc = _mm512_set1_ps(ks[slot * kvh + h]);
+              for (int j = 0; j < ND; ++j) kv[j] = _mm512_mul_ps(kv[j], ksc);
+            }
+            for (int g = 0; g < G; ++g) {
+              __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+              for (int j = 1; j < ND; ++j) a = _mm512_fmadd_ps(qv[g][j], kv[j], a);
+              acc[g][i] = a;
+            }
+          } else {
+            for (int g = 0; g < G; ++g) acc[g][i] = _mm512_setzero_ps();
+          }
         }
+        const __mmask8 valid = static_cast<__mmask8>((1u << n8) - 1u);
+        for (int g = 0; g < G; ++g) _mm256_mask_storeu_ps(sc + g * len + i0, valid, transpose_sum8(acc[g]));
       }
     }
     t = stop;
@@ -211,7 +243,7 @@ void decode_seq_avx512(float* o, float* lse, const float* q, const KT* kc, const
   std::fill(acc_mem, acc_mem + kvh * G * D, 0.f);
   for (int64_t t = lo; t < hi;) {
     const int64_t blk = t / bs, off = t - blk * bs, stop = std::min(hi, (blk + 1) * bs);
-    if (stop < hi) prefetch_block(vc + table[blk + 1] * bs * row, std::min<int64_t>(bs, hi - stop), row);
+    const int64_t nxt = stop < hi ? table[blk + 1] : -1;
     const int64_t slot0 = table[blk] * bs + off, cnt = stop - t;
     for (int64_t h = 0; h < kvh; ++h) {
       __m512 acc[G][ND];
@@ -219,9 +251,11 @@ void decode_seq_avx512(float* o, float* lse, const float* q, const KT* kc, const
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < ND; ++j) acc[g][j] = _mm512_loadu_ps(am + g * D + j * 16);
       const float* pr = scores + h * G * len + (t - lo);
+      const KT* next = nxt >= 0 ? vc + nxt * bs * row + h * D : nullptr;
       for (int64_t i = 0; i < cnt; ++i) {
         const int64_t slot = slot0 + i;
         const KT* vp = vc + slot * row + h * D;
+        if (next) prefetch_row<D>(next + i * row);
         __m512 vv[ND];
         for (int j = 0; j < ND; ++j) vv[j] = load16(vp + j * 16);
         const float vsc = vs ? vs[slot * kvh + h] : 1.f;
@@ -272,46 +306,83 @@ SeqFn pick(int64_t g, int64_t d) {
 }
 
 // Returns false where no specialised kernel fits (the caller falls back to the generic one).
+// q and out are float32, or bfloat16 with bf16_io (converted a sequence at a time here, which
+// saves the model two whole-tensor conversions per layer).
 template <typename KT>
-bool decode_fast(float* out, float* lse, const float* q, const KT* kc, const KT* vc, const float* ks, const float* vs,
-                 const int64_t* tables, const int64_t* lo_p, const int64_t* hi_p, int64_t n, int64_t heads,
-                 int64_t kvh, int64_t d, int64_t bs, int64_t width, float scale) {
+bool decode_fast(void* out_v, float* lse, const void* q_v, bool bf16_io, const KT* kc, const KT* vc, const float* ks,
+                 const float* vs, const int64_t* tables, const int64_t* lo_p, const int64_t* hi_p, int64_t n,
+                 int64_t heads, int64_t kvh, int64_t d, int64_t bs, int64_t width, float scale) {
   const int64_t group = heads / kvh;
   SeqFn fn = pick<KT>(group, d);
   if (!fn) return false;
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(heads * d);
+  // Split the sequences into one contiguous range per thread of equal total context: callers
+  // sort decodes by length, and an even split by count left one thread all the long ones.
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::vector<int64_t> bounds(nt + 1, n);
+  {
+    int64_t total = 0;
+    for (int64_t s = 0; s < n; ++s) total += std::max<int64_t>(hi_p[s] - lo_p[s], 0) + 16;
+    int64_t acc = 0, t = 1;
+    bounds[0] = 0;
+    for (int64_t s = 0; s < n && t < nt; ++s) {
+      acc += std::max<int64_t>(hi_p[s] - lo_p[s], 0) + 16;
+      while (t < nt && acc * nt >= total * t) bounds[t++] = s + 1;
+    }
+  }
+  at::parallel_for(0, nt, 1, [&](int64_t tb, int64_t te) {
+    const int64_t begin = bounds[tb], end = bounds[te];
+    // Flush denormals to zero (FTZ|DAZ) meanwhile: peaked softmaxes make tiny probabilities,
+    // and each denormal operand costs a microcode assist.
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);
+    const int64_t hd = heads * d;
+    std::vector<float> scores, acc(hd), qbuf(bf16_io ? hd : 0), obuf(bf16_io ? hd : 0);
     for (int64_t s = begin; s < end; ++s) {
       const int64_t lo = lo_p[s], hi = hi_p[s];
-      float* o = out + s * heads * d;
+      float* o = bf16_io ? obuf.data() : static_cast<float*>(out_v) + s * hd;
+      const float* qs = static_cast<const float*>(q_v) + s * hd;
+      if (bf16_io) {
+        const c10::BFloat16* qb = static_cast<const c10::BFloat16*>(q_v) + s * hd;
+        for (int64_t i = 0; i < hd; ++i) qbuf[i] = to_f(qb[i]);
+        qs = qbuf.data();
+      }
       float* l = lse ? lse + s * heads : nullptr;
       if (hi <= lo) {
-        std::fill(o, o + heads * d, 0.f);
+        std::fill(o, o + hd, 0.f);
         if (l) std::fill(l, l + heads, -1e30f);
-        continue;
+      } else {
+        scores.resize(heads * (hi - lo));
+        fn(o, l, qs, kc, vc, ks, vs, tables + s * width, lo, hi, kvh, bs, scale, scores.data(), acc.data());
       }
-      scores.resize(heads * (hi - lo));
-      fn(o, l, q + s * heads * d, kc, vc, ks, vs, tables + s * width, lo, hi, kvh, bs, scale, scores.data(),
-         acc.data());
+      if (bf16_io) {
+        c10::BFloat16* ob = static_cast<c10::BFloat16*>(out_v) + s * hd;
+        for (int64_t i = 0; i < hd; ++i) ob[i] = c10::BFloat16(o[i]);
+      }
     }
+    _mm_setcsr(csr);
   });
   return true;
 }
+bool has_fast_path(int64_t heads, int64_t kvh, int64_t d) {
+  return kvh > 0 && heads % kvh == 0 && pick<float>(heads / kvh, d) != nullptr;
+}
 #else
 template <typename KT>
-bool decode_fast(float*, float*, const float*, const KT*, const KT*, const float*, const float*, const int64_t*,
+bool decode_fast(void*, float*, const void*, bool, const KT*, const KT*, const float*, const float*, const int64_t*,
                  const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float) {
   return false;
 }
+bool has_fast_path(int64_t, int64_t, int64_t) { return false; }
 #endif
 
 void paged_decode(at::Tensor out, c10::optional<at::Tensor> lse, at::Tensor q, at::Tensor k_cache,
                   at::Tensor v_cache, c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale,
                   at::Tensor block_tables, at::Tensor lo, at::Tensor hi, double scale_d) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat,
-              "paged_decode: q must be contiguous float32 [n, heads, dim]");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == at::kFloat,
-              "paged_decode: out must be contiguous float32, shaped like q");
+  const bool bf16_io = q.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && (q.scalar_type() == at::kFloat || bf16_io),
+              "paged_decode: q must be contiguous float32 or bfloat16 [n, heads, dim]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "paged_decode: out must be contiguous, shaped and typed like q");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == q.size(2) &&
                   k_cache.scalar_type() == v_cache.scalar_type(),
@@ -336,15 +407,19 @@ void paged_decode(at::Tensor out, c10::optional<at::Tensor> lse, at::Tensor q, a
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t bs = k_cache.size(1), kvh = k_cache.size(2), width = block_tables.size(1);
   float* lse_p = lse.has_value() ? lse->data_ptr<float>() : nullptr;
-  float* o = out.data_ptr<float>();
-  const float* qp = q.data_ptr<float>();
+  TORCH_CHECK(!bf16_io || has_fast_path(heads, kvh, d),
+              "paged_decode: bfloat16 q needs the specialised kernel (AVX-512, head_dim 64 or 128, at most 8 "
+              "query heads per KV head); pass float32");
+  void* o = out.data_ptr();
+  const void* qp = q.data_ptr();
   const int64_t* tp = block_tables.data_ptr<int64_t>();
   const int64_t* lp = lo.data_ptr<int64_t>();
   const int64_t* hp = hi.data_ptr<int64_t>();
   const float scale = static_cast<float>(scale_d);
   auto run = [&](auto* kc, auto* vc, const float* ks, const float* vs) {
-    if (!decode_fast(o, lse_p, qp, kc, vc, ks, vs, tp, lp, hp, n, heads, kvh, d, bs, width, scale))
-      decode_impl(o, lse_p, qp, kc, vc, ks, vs, tp, lp, hp, n, heads, kvh, d, bs, width, d * heads, scale);
+    if (!decode_fast(o, lse_p, qp, bf16_io, kc, vc, ks, vs, tp, lp, hp, n, heads, kvh, d, bs, width, scale))
+      decode_impl(static_cast<float*>(o), lse_p, static_cast<const float*>(qp), kc, vc, ks, vs, tp, lp, hp, n, heads,
+                  kvh, d, bs, width, d * heads, scale);
   };
   if (k_cache.scalar_type() == at::kFloat) {
     run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), nullptr, nullptr);
@@ -361,4 +436,5 @@ TORCH_LIBRARY(batchgen_cpu, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor(b!)? lse, Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, "
         "Tensor? v_scale, Tensor block_tables, Tensor lo, Tensor hi, float scale) -> ()",
         &paged_decode);
+  m.def("has_fast_path(int heads, int kv_heads, int head_dim) -> bool", &has_fast_path);
 }

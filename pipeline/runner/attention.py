@@ -300,13 +300,13 @@ def _decode_cascade(q: torch.Tensor, k_cache, v_cache, grp: "CascadeGroup", scal
     return out.reshape(nd, nh, d)
 
 
-def _cpu_op_call(q, k_cache, v_cache, tables, lo, hi, scale, with_lse=False):
+def _cpu_op_call(q, k_cache, v_cache, tables, lo, hi, scale, with_lse=False, out=None):
     from batchgen.kernels.cpu_attention import paged_decode
 
     if isinstance(k_cache, QuantCache):
         return paged_decode(q, k_cache.data, v_cache.data, tables, lo, hi, scale, k_cache.scale, v_cache.scale,
-                            with_lse=with_lse)
-    return paged_decode(q, k_cache, v_cache, tables, lo, hi, scale, with_lse=with_lse)
+                            with_lse=with_lse, out=out)
+    return paged_decode(q, k_cache, v_cache, tables, lo, hi, scale, with_lse=with_lse, out=out)
 
 
 def _decode_cpu_op(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
@@ -334,8 +334,8 @@ def _decode_cpu_op(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, o
     if start < meta.num_decodes:
         hi = lens[start:]
         lo = (hi - meta.window).clamp_min(0) if meta.window else torch.zeros_like(hi)
-        out[start : meta.num_decodes] = _cpu_op_call(q[start : meta.num_decodes], k_cache, v_cache,
-                                                     tables[start:].contiguous(), lo, hi, scale)
+        _cpu_op_call(q[start : meta.num_decodes], k_cache, v_cache, tables[start:].contiguous(), lo, hi, scale,
+                     out=out[start : meta.num_decodes])
 
 
 def _triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -123,11 +123,16 @@ class CausalLM:
             cos, sin = inner.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)
         self.cos = cos[0].to(device=self.device, dtype=dtype)  # [max_position, head_dim]
         self.sin = sin[0].to(device=self.device, dtype=dtype)
+        # Set by the engine where the C++ CPU ops are loaded and the path is not the exact one.
+        self.fused = False
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sample_idx: torch.Tensor) -> torch.Tensor:
-        """input_ids/positions [num_tokens] -> fp32 logits [num_sampled, vocab]."""
+        """input_ids/positions [num_tokens] -> logits [num_sampled, vocab] (fp32; the model dtype
+        on the fused path, where the sampler converts them)."""
+        if self.fused:
+            return self._forward_fused(input_ids, positions, meta, kv_caches, sample_idx)
         s = self.shape
         n = input_ids.shape[0]
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -136,15 +141,20 @@ class CausalLM:
         h = self.embed[input_ids]  # [num_tokens, hidden]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = rms_norm(h, layer.input_norm, s.rms_eps)
-            q, k, v = layer.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(n, s.num_heads, s.head_dim)
-            k = k.view(n, s.num_kv_heads, s.head_dim)
-            v = v.view(n, s.num_kv_heads, s.head_dim)
+            qkv = layer.qkv(x)
+            v = qkv[:, q_size + kv_size :].view(n, s.num_kv_heads, s.head_dim)
             if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, s.rms_eps)
-                k = rms_norm(k, layer.k_norm, s.rms_eps)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+                q = rms_norm(qkv[:, :q_size].view(n, s.num_heads, s.head_dim), layer.q_norm, s.rms_eps)
+                k = rms_norm(qkv[:, q_size : q_size + kv_size].view(n, s.num_kv_heads, s.head_dim), layer.k_norm,
+                             s.rms_eps)
+                q = q * cos + rotate_half(q) * sin
+                k = k * cos + rotate_half(k) * sin
+            else:
+                # q and k rotated together: one set of elementwise ops over all their heads
+                # (the same arithmetic per element as rotating them apart).
+                qk = qkv[:, : q_size + kv_size].view(n, s.num_heads + s.num_kv_heads, s.head_dim)
+                qk = qk * cos + rotate_half(qk) * sin
+                q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             h = h + layer.o(o.reshape(n, q_size))
             x = rms_norm(h, layer.post_norm, s.rms_eps)
@@ -152,3 +162,35 @@ class CausalLM:
             h = h + layer.down(F.silu(gate) * up)
         h = rms_norm(h[sample_idx], self.norm, s.rms_eps)
         return self.lm_head(h).float()
+
+    def _forward_fused(self, input_ids, positions, meta, kv_caches, sample_idx) -> torch.Tensor:
+        """The same layers with the C++ CPU ops: RMSNorm fused with the residual add before it,
+        rotary embedding in place on the QKV output, SiLU-and-multiply in one pass."""
+        from batchgen.kernels import cpu_attention as ops
+
+        s = self.shape
+        n = input_ids.shape[0]
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        cos, sin = self.cos[positions], self.sin[positions]  # [num_tokens, head_dim]
+        h = self.embed[input_ids]  # [num_tokens, hidden], updated in place by the residual adds
+        x = ops.add_rms_norm(h, None, self.layers[0].input_norm, s.rms_eps)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            qkv = layer.qkv(x)
+            v = qkv[:, q_size + kv_size :].view(n, s.num_kv_heads, s.head_dim)
+            if layer.q_norm is not None:
+                q = ops.rope_(rms_norm(qkv[:, :q_size].view(n, s.num_heads, s.head_dim), layer.q_norm, s.rms_eps),
+                              cos, sin)
+                k = ops.rope_(rms_norm(qkv[:, q_size : q_size + kv_size].view(n, s.num_kv_heads, s.head_dim),
+                                       layer.k_norm, s.rms_eps), cos, sin)
+            else:
+                qk = ops.rope_(qkv[:, : q_size + kv_size].view(n, s.num_heads + s.num_kv_heads, s.head_dim), cos, sin)
+                q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
+            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            x = ops.add_rms_norm(h, layer.o(o.reshape(n, q_size)), layer.post_norm, s.rms_eps)
+            down = layer.down(ops.silu_mul(layer.gate_up(x)))
+            if i + 1 < len(self.layers):
+                x = ops.add_rms_norm(h, down, self.layers[i + 1].input_norm, s.rms_eps)
+            else:
+                h += down
+        h = h[sample_idx].contiguous()
+        return self.lm_head(ops.add_rms_norm(h, None, self.norm, s.rms_eps))

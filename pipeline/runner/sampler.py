@@ -23,9 +23,12 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[SampledToken]:
-        """logits [num_seqs, vocab] fp32, one row per seq -> one token per seq."""
+        """logits [num_seqs, vocab] (fp32, or bf16 on the fused path), one row per seq -> one
+        token per seq; everything works in fp32 (bf16 -> fp32 is exact and keeps the order, and
+        torch's argmax over bf16 ran 4x slower than converting first)."""
         params = [s.sampling for s in seqs]
         want_logprobs = any(p.logprobs for p in params)
+        logits = logits.float()
         if all(p.greedy for p in params):
             tokens = logits.argmax(dim=-1)
         else:
