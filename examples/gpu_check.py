@@ -6,8 +6,8 @@
 (b) reports decode-attention achieved bandwidth as a fraction of measured device copy bandwidth,
     at contexts of 1k, 8k and 32k tokens with batch 64 (Llama-3-8B KV shape: 8 KV heads, 32 query
     heads, head_dim 128, bf16);
-(c) runs the end-to-end ShareGPT benchmark in bf16 on the default model and on a random-weight
-    Llama-3-8B-shaped model, printing output tokens/s.
+(c) runs the end-to-end ShareGPT benchmark in bf16 on the default model (with and without CUDA
+    graphs, and with fp8 KV) and on a random-weight Llama-3-8B-shaped model, printing output tokens/s.
 """
 from __future__ import annotations
 
@@ -92,9 +92,13 @@ def main() -> None:
         print(f"    decode attention ctx {ctx:6d} batch 64: {got / 1e9:.0f} GB/s = {got / bw:.0%} of copy", flush=True)
     from batchgen.bench import format_report, run_bench
 
-    print("(c) end to end, bf16", flush=True)
+    print("(c) end to end, bf16 (decode under CUDA graphs, the default)", flush=True)
     rep = run_bench(args.num_prompts, 256, dtypes=("bfloat16",), peers=(), engine_kw={"max_num_seqs": 256})
     print(format_report(rep), flush=True)
+    for label, kw in (("without CUDA graphs", {"cuda_graphs": False}), ("fp8 KV", {"kv_cache_dtype": "fp8"})):
+        rep = run_bench(args.num_prompts, 256, dtypes=("bfloat16",), peers=(),
+                        engine_kw={"max_num_seqs": 256, **kw})
+        print(f"    bf16, {label}:\n" + format_report(rep), flush=True)
     if not args.skip_8b:
         import tempfile
 

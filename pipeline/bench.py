@@ -70,7 +70,8 @@ def run_batchgen(hf_model, tokenizer, items: list[WorkloadItem], dtype: str, ide
              "itl_s": latency_summary([r.itl_s for r in results if r.itl_s is not None]),
              "kv_cache_gib": round(c["kv_cache_bytes"] / 2**30, 3), "num_kv_blocks": c["num_kv_blocks"],
              "peak_kv_blocks": c["peak_kv_blocks"], "preemptions": c["preemptions"], "steps": c["steps"],
-             "peak_running": c["peak_running"], "linear_path": c["linear_path"]}
+             "peak_running": c["peak_running"], "linear_path": c["linear_path"],
+             "attention_backend": c["attention_backend"], "fused_layer_ops": c["fused_layer_ops"]}
     del engine
     return BenchResult(f"batchgen {dtype}", len(items), sum(len(w.prompt_token_ids) for w in items), out, wall, extra)
 

@@ -95,14 +95,17 @@ def test_fast_paths_are_close_to_transformers(hf_model, smol_tokenizer, workload
         assert exact == len(workload)
 
 
-def test_int8_kv_quality_on_64_sharegpt_prompts(hf_model, smol_tokenizer):
-    """Measured here: exact match 65.6% of the first 32 tokens, mean |delta logprob| 0.018 nats
-    (max 0.22). The bound, 0.05 nats, is ~3x that: noise passes, a broken scale (whole nats) fails."""
+# Measured here (64 ShareGPT prompts, first 32 greedy tokens, against the fp32 cache):
+#   int8: exact match 64-66%, mean |delta logprob| 0.017-0.018 nats (max ~0.2);
+#   fp8 (e4m3, torch path, the Triton kernels' quantiser): exact 32.8%, mean 0.037 nats (max 0.68).
+# Each bound is ~3x the measured mean: noise passes, a broken scale (whole nats) fails.
+@pytest.mark.parametrize("kv_dtype,max_mean,min_exact", [("int8", 0.05, 0.4), ("fp8", 0.11, 0.2)])
+def test_quantised_kv_quality_on_64_sharegpt_prompts(hf_model, smol_tokenizer, kv_dtype, max_mean, min_exact):
     from batchgen.bench import kv_quality
 
     prompts = [w.prompt_token_ids for w in sample_sharegpt(smol_tokenizer, 64, 32)]
-    q = kv_quality(hf_model, smol_tokenizer, prompts, 32)
-    print(f"\nint8 KV: {q}")
-    assert q["mean_abs_logprob_diff"] <= 0.05
-    assert q["exact_match_rate"] >= 0.4
-    assert q["kv_bytes_per_token_int8"] * 3.5 < q["kv_bytes_per_token_fp"]
+    q = kv_quality(hf_model, smol_tokenizer, prompts, 32, kv_dtype=kv_dtype)
+    print(f"\n{kv_dtype} KV: {q}")
+    assert q["mean_abs_logprob_diff"] <= max_mean
+    assert q["exact_match_rate"] >= min_exact
+    assert q[f"kv_bytes_per_token_{kv_dtype}"] * 3.5 < q["kv_bytes_per_token_fp"]

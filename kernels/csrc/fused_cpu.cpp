@@ -13,6 +13,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -31,30 +35,63 @@ inline void st(c10::BFloat16* p, int64_t i, float v) {  // round to nearest even
   reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(b >> 16);
 }
 
+// Whole rows between bf16 and fp32 (AVX-512 where compiled for it), so the math loops below
+// run on plain float arrays and vectorise, exp included (libmvec).
+inline void row_to_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void row_to_f32(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = ld(src, i);
+}
+inline void row_from_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void row_from_f32(const float* src, c10::BFloat16* dst, int64_t n) {
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  for (; i + 16 <= n; i += 16) {  // round to nearest even, as c10::BFloat16 does
+    const __m512i b = _mm512_castps_si512(_mm512_loadu_ps(src + i));
+    const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(b, 16), one)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  }
+#endif
+  for (; i < n; ++i) st(dst, i, src[i]);
+}
+
 // h [n, d] (rows may be strided); delta: h += delta first (in place). out = weight * norm(h).
 template <typename T>
 void add_rms_norm_impl(T* out, T* h, const T* delta, const T* w, int64_t n, int64_t d, int64_t h_stride,
                        int64_t delta_stride, float eps) {
+  std::vector<float> wf(d);
+  row_to_f32(w, wf.data(), d);
   at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> hf(d), df(d);
     for (int64_t r = b; r < e; ++r) {
       T* hr = h + r * h_stride;
-      float ss = 0.f;
+      row_to_f32(hr, hf.data(), d);
+      float* hp = hf.data();
       if (delta) {
-        const T* dr = delta + r * delta_stride;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < d; ++i) {
-          const float v = ld(hr, i) + ld(dr, i);
-          st(hr, i, v);
-          ss += ld(hr, i) * ld(hr, i);  // the stored (rounded) value, as the next layer sees it
-        }
-      } else {
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < d; ++i) ss += ld(hr, i) * ld(hr, i);
-      }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
-      T* o = out + r * d;
+        row_to_f32(delta + r * delta_stride, df.data(), d);
+        const float* dp = df.data();
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) st(o, i, ld(w, i) * (ld(hr, i) * inv));
+        for (int64_t i = 0; i < d; ++i) hp[i] += dp[i];
+        row_from_f32(hp, hr, d);
+        row_to_f32(hr, hp, d);  // the stored (rounded) residual, as the next layer sees it
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < d; ++i) ss += hp[i] * hp[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+      const float* wp = wf.data();
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) hp[i] = wp[i] * (hp[i] * inv);
+      row_from_f32(hp, out + r * d, d);
     }
   });
 }
@@ -85,15 +122,15 @@ void rope_impl(T* x, const T* cos, const T* sin, int64_t n, int64_t heads, int64
 template <typename T>
 void silu_mul_impl(T* out, const T* gu, int64_t n, int64_t inter, int64_t gu_stride) {
   at::parallel_for(0, n, 8, [&](int64_t b, int64_t e) {
+    std::vector<float> g(inter), u(inter);
     for (int64_t r = b; r < e; ++r) {
-      const T* g = gu + r * gu_stride;
-      const T* u = g + inter;
-      T* o = out + r * inter;
+      row_to_f32(gu + r * gu_stride, g.data(), inter);
+      row_to_f32(gu + r * gu_stride + inter, u.data(), inter);
+      float* gp = g.data();
+      const float* up = u.data();
 #pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) {
-        const float gv = ld(g, i);
-        st(o, i, gv / (1.f + std::exp(-gv)) * ld(u, i));
-      }
+      for (int64_t i = 0; i < inter; ++i) gp[i] = gp[i] / (1.f + std::exp(-gp[i])) * up[i];
+      row_from_f32(gp, out + r * inter, inter);
     }
   });
 }
