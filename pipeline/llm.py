@@ -205,6 +205,7 @@ class Engine:
         # reference paths (linear_path plain, decode_attention exact), which keep torch's ops.
         self.model.fused = backend == "cpu" and linear_path != "plain" and cfg.decode_attention == "batched"
         self.runner = ModelRunner(self.model, self.kv_cache, cfg.decode_attention, cfg.seed, backend, self.window)
+        self.runner.sampler.fused_argmax = self.model.fused
         if cfg.cuda_graphs and backend == "triton" and self.device.type == "cuda":
             from .runner.cuda_graphs import DecodeGraphs
 

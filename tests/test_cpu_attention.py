@@ -128,3 +128,13 @@ def test_fused_ops_refuse_mismatched_shapes():
         ca.add_rms_norm(torch.randn(2, 8), None, torch.ones(7), 1e-5)
     with pytest.raises(RuntimeError, match="width must be even"):
         ca.silu_mul(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_matches_torch_including_ties(dtype):
+    x = torch.randn(7, 10000, generator=torch.Generator().manual_seed(6)).to(dtype)
+    x[2, 5000] = x[2, 9000] = 50.0  # a tie across chunks: the first index wins
+    x[3, 17] = x[3, 18] = 60.0  # a tie inside one chunk
+    x[4, :] = -3.0  # all equal
+    assert torch.equal(ca.argmax_rows(x), x.float().argmax(-1))
+    assert ca.argmax_rows(x)[2] == 5000 and ca.argmax_rows(x)[3] == 17 and ca.argmax_rows(x)[4] == 0

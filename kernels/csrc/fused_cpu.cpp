@@ -135,6 +135,36 @@ void silu_mul_impl(T* out, const T* gu, int64_t n, int64_t inter, int64_t gu_str
   });
 }
 
+// Index of the first largest value of each row (torch.argmax's tie rule), reading bf16 rows
+// without converting the whole [n, vocab] tensor first.
+template <typename T>
+void argmax_rows_impl(int64_t* out, const T* x, int64_t n, int64_t v, int64_t stride) {
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(4096);
+    for (int64_t r = b; r < e; ++r) {
+      float best = -INFINITY;
+      int64_t arg = 0;
+      for (int64_t c0 = 0; c0 < v; c0 += 4096) {
+        const int64_t m = std::min<int64_t>(4096, v - c0);
+        row_to_f32(x + r * stride + c0, buf.data(), m);
+        float cmax = -INFINITY;
+        const float* bp = buf.data();
+#pragma omp simd reduction(max : cmax)
+        for (int64_t i = 0; i < m; ++i) cmax = bp[i] > cmax ? bp[i] : cmax;
+        if (cmax > best) {
+          best = cmax;
+          for (int64_t i = 0; i < m; ++i)
+            if (bp[i] == cmax) {
+              arg = c0 + i;
+              break;
+            }
+        }
+      }
+      out[r] = arg;
+    }
+  });
+}
+
 void check_2d(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
 }
@@ -200,9 +230,23 @@ void silu_mul(at::Tensor out, at::Tensor gate_up) {
   }
 }
 
+void argmax_rows(at::Tensor out, at::Tensor x) {
+  check_2d(x, "x");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kLong && out.numel() == x.size(0),
+              "argmax_rows: out must be contiguous int64 [rows]");
+  TORCH_CHECK(x.size(1) > 0, "argmax_rows: empty rows");
+  if (is_bf16(x)) {
+    using T = c10::BFloat16;
+    argmax_rows_impl<T>(out.data_ptr<int64_t>(), x.data_ptr<T>(), x.size(0), x.size(1), x.stride(0));
+  } else {
+    argmax_rows_impl<float>(out.data_ptr<int64_t>(), x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0));
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
+  m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()", &argmax_rows);
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) h, Tensor? delta, Tensor weight, float eps) -> ()", &add_rms_norm);
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &rope_);
   m.def("silu_mul(Tensor(a!) out, Tensor gate_up) -> ()", &silu_mul);

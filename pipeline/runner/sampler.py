@@ -21,6 +21,8 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         # For rows without a seed: one stream for the whole run.
         self.generator = torch.Generator().manual_seed(seed)
+        # Greedy rows through the C++ argmax (set by the engine with the CPU ops loaded).
+        self.fused_argmax = False
 
     def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[SampledToken]:
         """logits [num_seqs, vocab] (fp32, or bf16 on the fused path), one row per seq -> one
@@ -28,6 +30,10 @@ class Sampler:
         torch's argmax over bf16 ran 4x slower than converting first)."""
         params = [s.sampling for s in seqs]
         want_logprobs = any(p.logprobs for p in params)
+        if self.fused_argmax and not want_logprobs and all(p.greedy for p in params):
+            from batchgen.kernels.cpu_attention import argmax_rows
+
+            return [SampledToken(t) for t in argmax_rows(logits).tolist()]
         logits = logits.float()
         if all(p.greedy for p in params):
             tokens = logits.argmax(dim=-1)
