@@ -1,5 +1,6 @@
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from batchgen.cli import app
@@ -42,13 +43,14 @@ def test_plan_for_a_job_uses_its_prompt_lengths(tmp_path, tiny_model_dir):
     assert "warning: max_num_seqs 64 exceeds" in r.output
 
 
-def test_int8_kv_doubles_concurrency_over_bf16():
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantised_kv_doubles_concurrency_over_bf16(kv_dtype):
     cfg = json.loads((REPO / "examples/configs/llama-3-8b.json").read_text())
     mem = ModelMemory.from_config(cfg)
     bf16 = plan(mem, "bfloat16", 40 * 2**30, 8192)
-    int8 = plan(mem, "bfloat16", 40 * 2**30, 8192, kv_dtype="int8")
-    assert int8["kv_bytes_per_token"] == 2 * 32 * 8 * (128 + 4)
-    assert int8["seqs_that_fit"] >= 1.9 * bf16["seqs_that_fit"]
+    quant = plan(mem, "bfloat16", 40 * 2**30, 8192, kv_dtype=kv_dtype)
+    assert quant["kv_bytes_per_token"] == 2 * 32 * 8 * (128 + 4)  # one fp32 scale per token and head
+    assert quant["seqs_that_fit"] >= 1.9 * bf16["seqs_that_fit"]
     r = runner.invoke(app, ["plan", "--model", str(REPO / "examples/configs/llama-3-8b.json"), "--kv-dtype", "int8",
                             "--context", "8192", "--kv-gib", "40"])
     assert r.exit_code == 0 and "KV per token (int8)" in r.output
