@@ -212,8 +212,9 @@ class Engine:
             self.runner.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.scheduler.config.max_num_seqs,
                                               -(-self.max_model_len // cfg.block_size), self.window)
         self.eos_token_ids = self._eos_ids(hf_model, tokenizer)
-        log.info("engine: %s %s, linear=%s, KV cache %d blocks x %d tokens = %.2f GiB (%d B/token), "
+        log.info("engine: %s %s, linear=%s, attention=%s%s, KV cache %d blocks x %d tokens = %.2f GiB (%d B/token), "
                  "CPU tier %d blocks = %.2f GiB", self.device, str(self.dtype).replace("torch.", ""), linear_path,
+                 backend, " + fused layer ops" if self.model.fused else "",
                  self.num_blocks, cfg.block_size, self.kv_cache.bytes / 2**30, self.kv_bytes_per_token,
                  self.num_cpu_blocks, self.kv_cache.cpu_bytes / 2**30)
         self.step_count = 0

@@ -266,6 +266,13 @@ def _attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return torch.matmul(torch.exp(s - lse[..., None]), v), lse
 
 
+def _merge_lse(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets, from each one's output and log-sum-exp."""
+    m = torch.maximum(lse_a, lse_b)
+    wa, wb = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    return (wa[..., None] * o_a + wb[..., None] * o_b) / (wa + wb)[..., None]
+
+
 def _cascade_prefix(q: torch.Tensor, k_cache, v_cache, blocks: torch.Tensor, scale: float):
     """Every query of a cascade group against the shared prefix blocks at once (one matmul):
     ([nd, kvh, group, d], lse [nd, kvh, group])."""
@@ -293,10 +300,7 @@ def _decode_cascade(q: torch.Tensor, k_cache, v_cache, grp: "CascadeGroup", scal
         n = b.end - b.start
         ks, vs = _bucket_kv(k_cache, v_cache, b, q.dtype)
         o_s, lse_s = _attention_lse(q[b.start : b.end].view(n, kvh, g, d), ks, vs, b.mask, scale)
-        lp_b, op_b = lse_p[b.start : b.end], o_p[b.start : b.end]
-        m = torch.maximum(lp_b, lse_s)
-        wp, ws = torch.exp(lp_b - m), torch.exp(lse_s - m)
-        out[b.start : b.end] = (wp[..., None] * op_b + ws[..., None] * o_s) / (wp + ws)[..., None]
+        out[b.start : b.end] = _merge_lse(o_p[b.start : b.end], lse_p[b.start : b.end], o_s, lse_s)
     return out.reshape(nd, nh, d)
 
 
@@ -325,10 +329,7 @@ def _decode_cpu_op(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, o
         o_s, lse_s = _cpu_op_call(q[grp.start : grp.end], k_cache, v_cache,
                                   tables[grp.start : grp.end, shared:].contiguous(), torch.zeros_like(suffix_lens),
                                   suffix_lens, scale, with_lse=True)
-        lse_s = lse_s.view(nd, kvh, nh // kvh)
-        m = torch.maximum(lse_p, lse_s)
-        wp, ws = torch.exp(lse_p - m), torch.exp(lse_s - m)
-        o = (wp[..., None] * o_p + ws[..., None] * o_s.view(nd, kvh, nh // kvh, d)) / (wp + ws)[..., None]
+        o = _merge_lse(o_p, lse_p, o_s.view(nd, kvh, nh // kvh, d), lse_s.view(nd, kvh, nh // kvh))
         out[grp.start : grp.end] = o.reshape(nd, nh, d).to(out.dtype)
         start = grp.end
     if start < meta.num_decodes:
