@@ -104,13 +104,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     log-sum-exp of the scaled scores [n, heads]."""
     load()
     n, heads, d = q.shape
+    # The op reads and writes fp32, and bf16 where its specialised kernel fits; else via fp32.
     native = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _fast(heads, k_cache.shape[2], d))
     qx = q.contiguous() if native else q.to(torch.float32).contiguous()
     ox = out if native and out is not None else torch.empty(q.shape, dtype=qx.dtype)
     lse = torch.empty(q.shape[:2], dtype=torch.float32) if with_lse else None
     torch.ops.batchgen_cpu.paged_decode(ox, lse, qx, k_cache, v_cache, k_scale, v_scale, block_tables, lo, hi,
                                         float(scale))
-    if ox.dtype != q.dtype or (out is not None and ox is not out):
+    if not native:  # ox is an fp32 temporary
         ox = out.copy_(ox) if out is not None else ox.to(q.dtype)
     return (ox, lse) if with_lse else ox
 

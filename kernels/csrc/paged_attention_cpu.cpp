@@ -2,7 +2,8 @@
 //
 // The torch path gathers each sequence's blocks into a padded copy and then runs SDPA over it,
 // three passes over the KV; this reads each K and V row once, for all query heads of its group.
-// One work item is one (sequence, KV head); torch's own thread pool runs them (at::parallel_for).
+// The AVX-512 kernels take one sequence (every KV head) per work item, the generic one a
+// (sequence, KV head); torch's own thread pool runs them (at::parallel_for).
 //
 // Caches: float32 or bfloat16 [num_blocks, block_size, kv_heads, dim], or int8 with one float
 // scale per (slot, head) in a [num_blocks, block_size, kv_heads] tensor.
@@ -35,87 +36,96 @@ inline void load_row(float* __restrict dst, const T* __restrict src, int64_t d) 
   for (int64_t i = 0; i < d; ++i) dst[i] = to_f(src[i]);
 }
 
-inline void store_row(float* dst, const float* src, int64_t d, float mul) {
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) dst[i] = src[i] * mul;
-}
-inline void store_row(c10::BFloat16* dst, const float* src, int64_t d, float mul) {
-  for (int64_t i = 0; i < d; ++i) dst[i] = c10::BFloat16(src[i] * mul);
+// Calls f(slot0, count, offset, next_block) for each run of positions [lo, hi) that lies in one
+// block of the table: slot0 is the run's first cache slot, offset its first position minus lo,
+// next_block the physical block after it (-1 at the end). Walking runs needs no per-token division.
+template <typename F>
+inline void walk_blocks(const int64_t* table, int64_t lo, int64_t hi, int64_t bs, F&& f) {
+  for (int64_t t = lo; t < hi;) {
+    const int64_t blk = t / bs, stop = std::min(hi, (blk + 1) * bs);
+    f(table[blk] * bs + (t - blk * bs), stop - t, t - lo, stop < hi ? table[blk + 1] : int64_t{-1});
+    t = stop;
+  }
 }
 
-template <typename QT, typename KT>
-void decode_impl(QT* out, float* lse, const QT* q, const KT* kc, const KT* vc, const float* ks, const float* vs,
+// Each of `rows` rows of scores (length len) becomes its softmax in place; lse[r] (when given)
+// gets the row's log-sum-exp.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* lse) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sg = scores + r * len;
+    float m = sg[0];
+    for (int64_t j = 1; j < len; ++j) m = sg[j] > m ? sg[j] : m;
+    float z = 0.f;
+#pragma omp simd reduction(+ : z)
+    for (int64_t j = 0; j < len; ++j) {
+      sg[j] = std::exp(sg[j] - m);
+      z += sg[j];
+    }
+    const float inv = 1.f / z;
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) sg[j] *= inv;
+    if (lse) lse[r] = m + std::log(z);
+  }
+}
+
+// Any head_dim, any group size, no AVX-512: one (sequence, KV head) per work item.
+template <typename KT>
+void decode_impl(float* out, float* lse, const float* q, const KT* kc, const KT* vc, const float* ks, const float* vs,
                  const int64_t* tables, const int64_t* lo_p, const int64_t* hi_p, int64_t n, int64_t heads,
-                 int64_t kvh, int64_t d, int64_t bs, int64_t width, int64_t q_stride, float scale) {
+                 int64_t kvh, int64_t d, int64_t bs, int64_t width, float scale) {
   const int64_t group = heads / kvh;
   at::parallel_for(0, n * kvh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), acc(group * d), kr(d), vr(d), mx(group), sum(group), scores;
+    std::vector<float> qf(group * d), row(d), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / kvh, h = item % kvh;
       const int64_t lo = lo_p[s], hi = hi_p[s], len = hi - lo;
-      QT* o = out + s * heads * d + h * group * d;
+      float* o = out + s * heads * d + h * group * d;
+      float* l = lse ? lse + s * heads + h * group : nullptr;
       if (len <= 0) {
-        for (int64_t g = 0; g < group; ++g) {
-          for (int64_t i = 0; i < d; ++i) o[g * d + i] = QT(0.f);
-          if (lse) lse[s * heads + h * group + g] = -1e30f;
-        }
+        std::fill(o, o + group * d, 0.f);
+        if (l) std::fill(l, l + group, -1e30f);
         continue;
       }
       for (int64_t g = 0; g < group; ++g) {
-        load_row(qf.data() + g * d, q + s * q_stride + (h * group + g) * d, d);
+        load_row(qf.data() + g * d, q + s * heads * d + (h * group + g) * d, d);
         for (int64_t i = 0; i < d; ++i) qf[g * d + i] *= scale;
       }
       scores.resize(group * len);
       const int64_t* table = tables + s * width;
       // Scores: one pass over K.
-      for (int64_t t = lo; t < hi; ++t) {
-        const int64_t slot = table[t / bs] * bs + t % bs;
-        const KT* kp = kc + (slot * kvh + h) * d;
-        load_row(kr.data(), kp, d);
-        const float kscale = ks ? ks[slot * kvh + h] : 1.f;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * d;
-          float dot = 0.f;
+      walk_blocks(table, lo, hi, bs, [&](int64_t slot0, int64_t cnt, int64_t at, int64_t) {
+        for (int64_t i = 0; i < cnt; ++i) {
+          const int64_t slot = slot0 + i;
+          load_row(row.data(), kc + (slot * kvh + h) * d, d);
+          const float kscale = ks ? ks[slot * kvh + h] : 1.f;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * d;
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < d; ++i) dot += qg[i] * kr[i];
-          scores[g * len + (t - lo)] = dot * kscale;
+            for (int64_t j = 0; j < d; ++j) dot += qg[j] * row[j];
+            scores[g * len + at + i] = dot * kscale;
+          }
         }
-      }
-      // Softmax per query head.
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
-        float m = sg[0];
-        for (int64_t j = 1; j < len; ++j) m = sg[j] > m ? sg[j] : m;
-        float z = 0.f;
-#pragma omp simd reduction(+ : z)
-        for (int64_t j = 0; j < len; ++j) {
-          sg[j] = std::exp(sg[j] - m);
-          z += sg[j];
-        }
-        mx[g] = m;
-        sum[g] = z;
-      }
-      // Weighted sum of V: one pass over V.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = lo; t < hi; ++t) {
-        const int64_t slot = table[t / bs] * bs + t % bs;
-        load_row(vr.data(), vc + (slot * kvh + h) * d, d);
-        const float vscale = vs ? vs[slot * kvh + h] : 1.f;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + (t - lo)] * vscale;
-          float* a = acc.data() + g * d;
+      });
+      softmax_rows(scores.data(), group, len, l);
+      // Weighted sum of V: one pass over V, straight into the output.
+      std::fill(o, o + group * d, 0.f);
+      walk_blocks(table, lo, hi, bs, [&](int64_t slot0, int64_t cnt, int64_t at, int64_t) {
+        for (int64_t i = 0; i < cnt; ++i) {
+          const int64_t slot = slot0 + i;
+          load_row(row.data(), vc + (slot * kvh + h) * d, d);
+          const float vscale = vs ? vs[slot * kvh + h] : 1.f;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * len + at + i] * vscale;
+            float* a = o + g * d;
 #pragma omp simd
-          for (int64_t i = 0; i < d; ++i) a[i] += p * vr[i];
+            for (int64_t j = 0; j < d; ++j) a[j] += p * row[j];
+          }
         }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        store_row(o + g * d, acc.data() + g * d, d, 1.f / sum[g]);
-        if (lse) lse[s * heads + h * group + g] = mx[g] + std::log(sum[g]);
-      }
+      });
     }
   });
 }
-
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -127,21 +137,6 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
-// The next block's rows of one head: random block placement defeats the hardware prefetcher,
-// and without this the kernel stalled on its loads (perf: ~40% of cycles on the first vmovups).
-template <typename KT>
-inline void prefetch_rows(const KT* p, int64_t rows, int64_t row) {
-  constexpr int64_t bytes_per_row_head = 0;  // unused; whole lines of the head's slice below
-  (void)bytes_per_row_head;
-  for (int64_t r = 0; r < rows; ++r) {
-    const char* c = reinterpret_cast<const char*>(p + r * row);
-    _mm_prefetch(c, _MM_HINT_T0);
-    _mm_prefetch(c + 64, _MM_HINT_T0);
-    _mm_prefetch(c + 128, _MM_HINT_T0);
-    _mm_prefetch(c + 192, _MM_HINT_T0);
-  }
 }
 
 // One head's slice of a K or V row (D values), into L2, for a later iteration.
@@ -180,19 +175,16 @@ void decode_seq_avx512(float* o, float* lse, const float* q, const KT* kc, const
   const int64_t len = hi - lo;
   const int64_t row = kvh * D;
   const __m512 vscale = _mm512_set1_ps(scale);
-  // Scores: one pass over K. scores[(h * G + g) * len + (t - lo)]
-  for (int64_t t = lo; t < hi;) {
-    const int64_t blk = t / bs, off = t - blk * bs, stop = std::min(hi, (blk + 1) * bs);
-    // The next block's rows are prefetched a row at a time, a block ahead, spread over this
-    // block's work (a burst of a whole block's lines overflowed the miss queues).
-    const int64_t nxt = stop < hi ? table[blk + 1] : -1;
-    const int64_t slot0 = table[blk] * bs + off, cnt = stop - t;
+  // Scores: one pass over K. scores[(h * G + g) * len + (t - lo)]. The next block's rows are
+  // prefetched a row at a time, a block ahead, spread over this block's work (a burst of a whole
+  // block's lines overflowed the miss queues).
+  walk_blocks(table, lo, hi, bs, [&](int64_t slot0, int64_t cnt, int64_t at, int64_t nxt) {
     for (int64_t h = 0; h < kvh; ++h) {
       __m512 qv[G][ND];
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < ND; ++j)
           qv[g][j] = _mm512_mul_ps(_mm512_loadu_ps(q + (h * G + g) * D + j * 16), vscale);
-      float* sc = scores + h * G * len + (t - lo);
+      float* sc = scores + h * G * len + at;
       const KT* next = nxt >= 0 ? kc + nxt * bs * row + h * D : nullptr;
       for (int64_t i0 = 0; i0 < cnt; i0 += 8) {
         const int64_t n8 = std::min<int64_t>(8, cnt - i0);
@@ -221,36 +213,17 @@ void decode_seq_avx512(float* o, float* lse, const float* q, const KT* kc, const
         for (int g = 0; g < G; ++g) _mm256_mask_storeu_ps(sc + g * len + i0, valid, transpose_sum8(acc[g]));
       }
     }
-    t = stop;
-  }
-  // Softmax per query head.
-  for (int64_t hg = 0; hg < kvh * G; ++hg) {
-    float* sg = scores + hg * len;
-    float m = sg[0];
-    for (int64_t j = 1; j < len; ++j) m = sg[j] > m ? sg[j] : m;
-    float z = 0.f;
-#pragma omp simd reduction(+ : z)
-    for (int64_t j = 0; j < len; ++j) {
-      sg[j] = std::exp(sg[j] - m);
-      z += sg[j];
-    }
-    const float inv = 1.f / z;
-#pragma omp simd
-    for (int64_t j = 0; j < len; ++j) sg[j] *= inv;
-    if (lse) lse[hg] = m + std::log(z);
-  }
+  });
+  softmax_rows(scores, kvh * G, len, lse);
   // Weighted sum of V: one pass over V; accumulators of one head live in registers per block.
   std::fill(acc_mem, acc_mem + kvh * G * D, 0.f);
-  for (int64_t t = lo; t < hi;) {
-    const int64_t blk = t / bs, off = t - blk * bs, stop = std::min(hi, (blk + 1) * bs);
-    const int64_t nxt = stop < hi ? table[blk + 1] : -1;
-    const int64_t slot0 = table[blk] * bs + off, cnt = stop - t;
+  walk_blocks(table, lo, hi, bs, [&](int64_t slot0, int64_t cnt, int64_t at, int64_t nxt) {
     for (int64_t h = 0; h < kvh; ++h) {
       __m512 acc[G][ND];
       float* am = acc_mem + h * G * D;
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < ND; ++j) acc[g][j] = _mm512_loadu_ps(am + g * D + j * 16);
-      const float* pr = scores + h * G * len + (t - lo);
+      const float* pr = scores + h * G * len + at;
       const KT* next = nxt >= 0 ? vc + nxt * bs * row + h * D : nullptr;
       for (int64_t i = 0; i < cnt; ++i) {
         const int64_t slot = slot0 + i;
@@ -267,8 +240,7 @@ void decode_seq_avx512(float* o, float* lse, const float* q, const KT* kc, const
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < ND; ++j) _mm512_storeu_ps(am + g * D + j * 16, acc[g][j]);
     }
-    t = stop;
-  }
+  });
   std::memcpy(o, acc_mem, sizeof(float) * kvh * G * D);
 }
 
@@ -419,7 +391,7 @@ void paged_decode(at::Tensor out, c10::optional<at::Tensor> lse, at::Tensor q, a
   auto run = [&](auto* kc, auto* vc, const float* ks, const float* vs) {
     if (!decode_fast(o, lse_p, qp, bf16_io, kc, vc, ks, vs, tp, lp, hp, n, heads, kvh, d, bs, width, scale))
       decode_impl(static_cast<float*>(o), lse_p, static_cast<const float*>(qp), kc, vc, ks, vs, tp, lp, hp, n, heads,
-                  kvh, d, bs, width, d * heads, scale);
+                  kvh, d, bs, width, scale);
   };
   if (k_cache.scalar_type() == at::kFloat) {
     run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), nullptr, nullptr);

@@ -53,9 +53,6 @@ class ModelShape:
         per_layer = self.hidden_size * (q + kv) + q * self.hidden_size + 3 * self.hidden_size * self.intermediate_size
         return self.num_layers * per_layer
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # transformers' LlamaRMSNorm: normalise in fp32, scale in the input dtype.
@@ -135,26 +132,13 @@ class CausalLM:
             return self._forward_fused(input_ids, positions, meta, kv_caches, sample_idx)
         s = self.shape
         n = input_ids.shape[0]
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q_size = s.num_heads * s.head_dim
         cos = self.cos[positions][:, None, :]  # [num_tokens, 1, head_dim]
         sin = self.sin[positions][:, None, :]
         h = self.embed[input_ids]  # [num_tokens, hidden]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = rms_norm(h, layer.input_norm, s.rms_eps)
-            qkv = layer.qkv(x)
-            v = qkv[:, q_size + kv_size :].view(n, s.num_kv_heads, s.head_dim)
-            if layer.q_norm is not None:
-                q = rms_norm(qkv[:, :q_size].view(n, s.num_heads, s.head_dim), layer.q_norm, s.rms_eps)
-                k = rms_norm(qkv[:, q_size : q_size + kv_size].view(n, s.num_kv_heads, s.head_dim), layer.k_norm,
-                             s.rms_eps)
-                q = q * cos + rotate_half(q) * sin
-                k = k * cos + rotate_half(k) * sin
-            else:
-                # q and k rotated together: one set of elementwise ops over all their heads
-                # (the same arithmetic per element as rotating them apart).
-                qk = qkv[:, : q_size + kv_size].view(n, s.num_heads + s.num_kv_heads, s.head_dim)
-                qk = qk * cos + rotate_half(qk) * sin
-                q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
+            q, k, v = self._qkv_heads(layer, layer.qkv(x), lambda t: t * cos + rotate_half(t) * sin)
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             h = h + layer.o(o.reshape(n, q_size))
             x = rms_norm(h, layer.post_norm, s.rms_eps)
@@ -163,6 +147,22 @@ class CausalLM:
         h = rms_norm(h[sample_idx], self.norm, s.rms_eps)
         return self.lm_head(h).float()
 
+    def _qkv_heads(self, layer: Layer, qkv: torch.Tensor, rotate):
+        """q, k, v heads ([n, heads, head_dim] views where possible) from the fused QKV output,
+        q and k normed (Qwen3) and then rotated by rotate(t). Without q/k norms, q and k rotate
+        together: one set of elementwise ops over all their heads, the same arithmetic per element."""
+        s = self.shape
+        n = qkv.shape[0]
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        v = qkv[:, q_size + kv_size :].view(n, s.num_kv_heads, s.head_dim)
+        if layer.q_norm is not None:
+            q = rotate(rms_norm(qkv[:, :q_size].view(n, s.num_heads, s.head_dim), layer.q_norm, s.rms_eps))
+            k = rotate(rms_norm(qkv[:, q_size : q_size + kv_size].view(n, s.num_kv_heads, s.head_dim), layer.k_norm,
+                                s.rms_eps))
+            return q, k, v
+        qk = rotate(qkv[:, : q_size + kv_size].view(n, s.num_heads + s.num_kv_heads, s.head_dim))
+        return qk[:, : s.num_heads], qk[:, s.num_heads :], v
+
     def _forward_fused(self, input_ids, positions, meta, kv_caches, sample_idx) -> torch.Tensor:
         """The same layers with the C++ CPU ops: RMSNorm fused with the residual add before it,
         rotary embedding in place on the QKV output, SiLU-and-multiply in one pass."""
@@ -170,21 +170,12 @@ class CausalLM:
 
         s = self.shape
         n = input_ids.shape[0]
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q_size = s.num_heads * s.head_dim
         cos, sin = self.cos[positions], self.sin[positions]  # [num_tokens, head_dim]
         h = self.embed[input_ids]  # [num_tokens, hidden], updated in place by the residual adds
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, s.rms_eps)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            qkv = layer.qkv(x)
-            v = qkv[:, q_size + kv_size :].view(n, s.num_kv_heads, s.head_dim)
-            if layer.q_norm is not None:
-                q = ops.rope_(rms_norm(qkv[:, :q_size].view(n, s.num_heads, s.head_dim), layer.q_norm, s.rms_eps),
-                              cos, sin)
-                k = ops.rope_(rms_norm(qkv[:, q_size : q_size + kv_size].view(n, s.num_kv_heads, s.head_dim),
-                                       layer.k_norm, s.rms_eps), cos, sin)
-            else:
-                qk = ops.rope_(qkv[:, : q_size + kv_size].view(n, s.num_heads + s.num_kv_heads, s.head_dim), cos, sin)
-                q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
+            q, k, v = self._qkv_heads(layer, layer.qkv(x), lambda t: ops.rope_(t, cos, sin))
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             x = ops.add_rms_norm(h, layer.o(o.reshape(n, q_size)), layer.post_norm, s.rms_eps)
             down = layer.down(ops.silu_mul(layer.gate_up(x)))
