@@ -1,5 +1,6 @@
-"""The CPU ops (csrc/): decode attention over the paged cache, and fused elementwise layer ops
-(RMSNorm with the residual add, rotary embedding, SiLU-and-multiply). Built on first use.
+"""The CPU ops (csrc/): decode and prefill attention over the paged cache, and fused elementwise
+layer ops (RMSNorm with the residual add, rotary embedding, SiLU-and-multiply, greedy argmax).
+Built on first use.
 
 It is compiled once per source, compiler flags and CPU (it is built with -march=native) into
 $BATCHGEN_CACHE/ext (default ~/.cache/batchgen/ext); later processes only load the library.
@@ -20,7 +21,10 @@ import torch
 
 log = logging.getLogger("batchgen")
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "fused_cpu.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "fused_cpu.cpp")]
+# Part of the build key too: a changed header must rebuild.
+_HEADERS = [_CSRC / "cpu_common.h"]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it. The library then needs
 # libgomp.so.1, which resolves to the copy torch has already loaded (same soname): one thread pool.
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17"]
@@ -41,7 +45,7 @@ def _cpu_id() -> str:
 def _build_dir() -> Path:
     from batchgen.models.loader import cache_root
 
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(_FLAGS).encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + " ".join(_FLAGS).encode()
                          + _cpu_id().encode() + torch.__version__.encode()).hexdigest()[:16]
     d = cache_root() / "ext" / f"cpu_ops_{key}"
     d.mkdir(parents=True, exist_ok=True)
@@ -124,6 +128,59 @@ def _fast(heads: int, kv_heads: int, head_dim: int) -> bool:
     if key not in _fast_cache:
         _fast_cache[key] = bool(torch.ops.batchgen_cpu.has_fast_path(heads, kv_heads, head_dim))
     return _fast_cache[key]
+
+
+def has_prefill_path(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether paged_prefill runs here for this shape (it needs AVX-512 and head_dim % 16 == 0)."""
+    key = ("prefill", heads, kv_heads, head_dim)
+    if key not in _fast_cache:
+        _fast_cache[key] = bool(torch.ops.batchgen_cpu.has_prefill_path(heads, kv_heads, head_dim))
+    return _fast_cache[key]
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  cu_seqlens: torch.Tensor, start_pos: torch.Tensor, scale: float, window: int = 0,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of prefill chunks whose K/V are already in the cache. Sequence p's queries
+    are rows [cu_seqlens[p], cu_seqlens[p + 1]) of q [n, heads, dim] (float32 or bfloat16; rows
+    may be strided), at positions start_pos[p], start_pos[p] + 1, ...; each sees the keys at or
+    before its own position (and within `window` when > 0) through block_tables[p]. Caches as for
+    paged_decode. Returns out [n, heads, dim] in q's dtype (written into `out` when given)."""
+    load()
+    if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype)
+    torch.ops.batchgen_cpu.paged_prefill(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens,
+                                         start_pos, int(window or 0), float(scale))
+    return out
+
+
+def paged_prefill_reference(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale, window=0,
+                            k_scale=None, v_scale=None):
+    """Plain torch, fp32 math."""
+    nb, bs, kvh, d = k_cache.shape
+    group = q.shape[1] // kvh
+    out = torch.empty_like(q)
+    for p in range(block_tables.shape[0]):
+        a, b, s = int(cu_seqlens[p]), int(cu_seqlens[p + 1]), int(start_pos[p])
+        pos = torch.arange(s + b - a)
+        slots = block_tables[p, pos // bs] * bs + pos % bs
+        k = k_cache.reshape(nb * bs, kvh, d)[slots].float()
+        v = v_cache.reshape(nb * bs, kvh, d)[slots].float()
+        if k_scale is not None:
+            k = k * k_scale.reshape(nb * bs, kvh)[slots][..., None]
+            v = v * v_scale.reshape(nb * bs, kvh)[slots][..., None]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        qpos = torch.arange(s, s + b - a)[:, None]
+        mask = pos[None, :] <= qpos
+        if window:
+            mask &= pos[None, :] > qpos - window
+        sc = torch.einsum("nhd,khd->hnk", q[a:b].float(), k) * scale
+        sc = sc.masked_fill(~mask[None], float("-inf"))
+        out[a:b] = torch.einsum("hnk,khd->nhd", sc.softmax(-1), v).to(q.dtype)
+    return out
 
 
 def paged_decode_reference(q, k_cache, v_cache, block_tables, lo, hi, scale, k_scale=None, v_scale=None):

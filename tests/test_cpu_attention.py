@@ -1,4 +1,4 @@
-"""The C++ CPU decode-attention op against a plain torch reference (fp32 math)."""
+"""The C++ CPU ops (decode and prefill attention, fused layer ops) against plain torch references."""
 import pytest
 import torch
 
@@ -67,6 +67,93 @@ def test_int8_cache_with_scales():
     out = ca.paged_decode(q, kq.data, vq.data, tables, lo, hi, 0.125, kq.scale, vq.scale)
     ref, _ = ca.paged_decode_reference(q, kq.data, vq.data, tables, lo, hi, 0.125, kq.scale, vq.scale)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def _prefill_case(heads, kvh, d, bs, chunks, dtype, seed=0):
+    """chunks: (new tokens, start position) per sequence; blocks in random order."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-(n + s) // bs) for n, s in chunks]
+    nb = sum(blocks) + 3
+    kc = torch.randn(nb, bs, kvh, d, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, kvh, d, generator=g).to(dtype)
+    perm = torch.randperm(nb, generator=g)
+    tables = torch.zeros(len(chunks), max(blocks), dtype=torch.long)
+    c = 0
+    for i, b in enumerate(blocks):
+        tables[i, :b] = perm[c : c + b]
+        c += b
+    cu = torch.tensor([0] + [sum(n for n, _ in chunks[: i + 1]) for i in range(len(chunks))], dtype=torch.long)
+    start = torch.tensor([s for _, s in chunks], dtype=torch.long)
+    q = torch.randn(int(cu[-1]), heads, d, generator=g).to(dtype)
+    return q, kc, vc, tables, cu, start
+
+
+# Whole prompts and later chunks; lengths on and across the 16-query tiles and 128-key chunks.
+CHUNKS = [(1, 0), (17, 0), (5, 20), (130, 0), (40, 260), (1, 7), (16, 16)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kvh", [(4, 4), (9, 3), (16, 2), (12, 1)])
+@pytest.mark.parametrize("d", [32, 64, 80, 128])
+@pytest.mark.parametrize("bs", [16, 32])
+def test_prefill_op_matches_reference(dtype, heads, kvh, d, bs):
+    if not ca.has_prefill_path(heads, kvh, d):
+        pytest.skip("no AVX-512 here: prefill stays on SDPA")
+    q, kc, vc, tables, cu, start = _prefill_case(heads, kvh, d, bs, CHUNKS, dtype)
+    out = ca.paged_prefill(q, kc, vc, tables, cu, start, d ** -0.5)
+    ref = ca.paged_prefill_reference(q.float(), kc, vc, tables, cu, start, d ** -0.5)
+    assert out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # fp32 math; bf16 rounds the output only
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [1, 3, 50, 200])
+def test_prefill_op_sliding_window(window):
+    if not ca.has_prefill_path(9, 3, 64):
+        pytest.skip("no AVX-512 here")
+    q, kc, vc, tables, cu, start = _prefill_case(9, 3, 64, 16, CHUNKS, torch.float32, seed=1)
+    out = ca.paged_prefill(q, kc, vc, tables, cu, start, 0.125, window=window)
+    ref = ca.paged_prefill_reference(q, kc, vc, tables, cu, start, 0.125, window=window)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    if window == 1:  # each query sees only its own key: the output is that V row
+        nb, bs, kvh, d = vc.shape
+        p, i = 4, 7  # sequence 4's 8th new token, at position 267
+        pos = int(start[p]) + i
+        slot = int(tables[p, pos // bs]) * bs + pos % bs
+        row = vc.view(-1, kvh, d)[slot].repeat_interleave(3, 0)
+        torch.testing.assert_close(out[int(cu[p]) + i], row)
+
+
+def test_prefill_op_int8_cache_and_strided_q_rows():
+    from batchgen.runner.attention import QuantCache
+
+    if not ca.has_prefill_path(9, 3, 64):
+        pytest.skip("no AVX-512 here")
+    q, kc, vc, tables, cu, start = _prefill_case(9, 3, 64, 16, CHUNKS, torch.float32, seed=2)
+    kq = QuantCache(kc.shape[0], 16, 3, 64, "cpu")
+    vq = QuantCache(kc.shape[0], 16, 3, 64, "cpu")
+    slots = torch.arange(kc.shape[0] * 16)
+    kq.store(kc.view(-1, 3, 64), slots)
+    vq.store(vc.view(-1, 3, 64), slots)
+    # q as the model has it: a view into a fused QKV row, rows strided.
+    qkv = torch.randn(q.shape[0], (9 + 6) * 64)
+    qkv[:, : 9 * 64] = q.reshape(q.shape[0], -1)
+    qv = qkv[:, : 9 * 64].view(-1, 9, 64)
+    out = ca.paged_prefill(qv, kq.data, vq.data, tables, cu, start, 0.125, k_scale=kq.scale, v_scale=vq.scale)
+    ref = ca.paged_prefill_reference(q, kq.data, vq.data, tables, cu, start, 0.125, k_scale=kq.scale,
+                                     v_scale=vq.scale)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_op_refuses_a_chunk_beyond_its_table():
+    if not ca.has_prefill_path(9, 3, 64):
+        pytest.skip("no AVX-512 here")
+    q, kc, vc, tables, cu, start = _prefill_case(9, 3, 64, 16, [(5, 0), (20, 10)], torch.float32)
+    start[1] = 20  # 20 + 20 tokens > 2 blocks of 16
+    with pytest.raises(RuntimeError, match="sequence 1 .* does not fit its block table"):
+        ca.paged_prefill(q, kc, vc, tables, cu, start, 0.125)
+    with pytest.raises(RuntimeError, match="cu_seqlens must run from 0"):
+        ca.paged_prefill(q[:10], kc, vc, tables, cu, start, 0.125)
 
 
 def test_bad_arguments_are_refused_with_a_message():

@@ -7,62 +7,24 @@
 // reference, keeps torch's ops).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "cpu_common.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
 namespace {
 
-inline float ld(const float* p, int64_t i) { return p[i]; }
-inline float ld(const c10::BFloat16* p, int64_t i) {
-  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-inline void st(float* p, int64_t i, float v) { p[i] = v; }
-inline void st(c10::BFloat16* p, int64_t i, float v) {  // round to nearest even
-  uint32_t b;
-  std::memcpy(&b, &v, 4);
-  b += 0x7FFFu + ((b >> 16) & 1u);
-  reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(b >> 16);
-}
+using namespace batchgen_cpu;
 
-// Whole rows between bf16 and fp32 (AVX-512 where compiled for it), so the math loops below
-// run on plain float arrays and vectorise, exp included (libmvec).
-inline void row_to_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void row_to_f32(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  int64_t i = 0;
-#ifdef __AVX512F__
-  for (; i + 16 <= n; i += 16) {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-  }
-#endif
-  for (; i < n; ++i) dst[i] = ld(src, i);
-}
-inline void row_from_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void row_from_f32(const float* src, c10::BFloat16* dst, int64_t n) {
-  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
-  int64_t i = 0;
-#ifdef __AVX512F__
-  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-  for (; i + 16 <= n; i += 16) {  // round to nearest even, as c10::BFloat16 does
-    const __m512i b = _mm512_castps_si512(_mm512_loadu_ps(src + i));
-    const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(b, 16), one)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-  }
-#endif
-  for (; i < n; ++i) st(dst, i, src[i]);
-}
+template <typename T>
+inline float ld(const T* p, int64_t i) { return to_f(p[i]); }
 
 // h [n, d] (rows may be strided); delta: h += delta first (in place). out = weight * norm(h).
 template <typename T>

@@ -11,7 +11,6 @@
 // of the scaled scores, for merging partial results (cascade prefixes).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -19,33 +18,16 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_common.h"
+
 namespace {
 
-inline float to_f(float x) { return x; }
-inline float to_f(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-inline float to_f(int8_t x) { return static_cast<float>(x); }
+using namespace batchgen_cpu;
 
 template <typename T>
 inline void load_row(float* __restrict dst, const T* __restrict src, int64_t d) {
 #pragma omp simd
   for (int64_t i = 0; i < d; ++i) dst[i] = to_f(src[i]);
-}
-
-// Calls f(slot0, count, offset, next_block) for each run of positions [lo, hi) that lies in one
-// block of the table: slot0 is the run's first cache slot, offset its first position minus lo,
-// next_block the physical block after it (-1 at the end). Walking runs needs no per-token division.
-template <typename F>
-inline void walk_blocks(const int64_t* table, int64_t lo, int64_t hi, int64_t bs, F&& f) {
-  for (int64_t t = lo; t < hi;) {
-    const int64_t blk = t / bs, stop = std::min(hi, (blk + 1) * bs);
-    f(table[blk] * bs + (t - blk * bs), stop - t, t - lo, stop < hi ? table[blk + 1] : int64_t{-1});
-    t = stop;
-  }
 }
 
 // Each of `rows` rows of scores (length len) becomes its softmax in place; lse[r] (when given)
@@ -128,17 +110,6 @@ void decode_impl(float* out, float* lse, const float* q, const KT* kc, const KT*
 }
 
 #ifdef __AVX512F__
-#include <immintrin.h>
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-inline __m512 load16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
 // One head's slice of a K or V row (D values), into L2, for a later iteration.
 template <int D, typename KT>
 inline void prefetch_row(const KT* p) {

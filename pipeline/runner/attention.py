@@ -56,9 +56,11 @@ class AttentionMetadata:
     # "torch" (this file), "cpu" (decodes through the C++ op in batchgen.kernels.cpu_attention,
     # the rest as torch) or "triton" (batchgen.kernels; the default on CUDA).
     backend: str = "torch"
-    # Triton path: prefill chunks packed after the decodes.
+    # Triton and cpu paths: prefill chunks packed after the decodes.
     # [num_prefills + 1] offsets of each chunk's tokens, relative to the first prefill token.
     prefill_cu_seqlens: torch.Tensor | None = None
+    # cpu path: [num_prefills] position of each chunk's first token.
+    prefill_start_pos: torch.Tensor | None = None
     # [num_prefills] cached + new tokens of each chunk's sequence.
     prefill_context_lens: torch.Tensor | None = None
     # [num_prefills, max_blocks] block ids.
@@ -195,6 +197,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                 out[grp.start : grp.end] = _decode_cascade(q[grp.start : grp.end], k_cache, v_cache, grp, scale)
             for b in meta.decode_buckets:
                 out[b.start : b.end] = _decode_batched(q[b.start : b.end], k_cache, v_cache, b, scale)
+    if meta.prefills and meta.backend == "cpu" and meta.decode_mode != "exact" and _prefill_cpu_ok(q, k_cache):
+        _prefill_cpu_op(q[nd:], k_cache, v_cache, meta, scale, out[nd:])
+        return out
     for p in meta.prefills:
         qs = q[p.tok_start : p.tok_end]
         n = qs.shape[0]
@@ -311,6 +316,28 @@ def _cpu_op_call(q, k_cache, v_cache, tables, lo, hi, scale, with_lse=False, out
         return paged_decode(q, k_cache.data, v_cache.data, tables, lo, hi, scale, k_cache.scale, v_cache.scale,
                             with_lse=with_lse, out=out)
     return paged_decode(q, k_cache, v_cache, tables, lo, hi, scale, with_lse=with_lse, out=out)
+
+
+def _prefill_cpu_ok(q: torch.Tensor, k_cache) -> bool:
+    from batchgen.kernels.cpu_attention import has_prefill_path
+
+    return has_prefill_path(q.shape[1], k_cache.shape[2], k_cache.shape[3])
+
+
+def _prefill_cpu_op(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """Every prefill chunk of the step in one call of the C++ op, which reads K/V (the new tokens'
+    already stored) through the block tables: no gather, no mask, no per-sequence dispatch."""
+    from batchgen.kernels.cpu_attention import paged_prefill
+
+    scales = {}
+    if isinstance(k_cache, QuantCache):
+        scales = dict(k_scale=k_cache.scale, v_scale=v_cache.scale)
+        k_cache, v_cache = k_cache.data, v_cache.data
+    dst = out if out.is_contiguous() else None
+    res = paged_prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens, meta.prefill_start_pos,
+                        scale, meta.window or 0, out=dst, **scales)
+    if dst is None:
+        out.copy_(res)
 
 
 def _decode_cpu_op(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:

@@ -144,6 +144,14 @@ class ModelRunner:
                                                         meta.decode_context_lens[start:])]
         if self.backend == "triton":
             self._triton_meta(meta, seqs)
+        elif self.backend == "cpu" and prefills:
+            width = max(len(p.block_table) for p in prefills)
+            meta.prefill_block_tables = torch.zeros((len(prefills), width), dtype=torch.long)
+            for i, p in enumerate(prefills):
+                meta.prefill_block_tables[i, : len(p.block_table)] = p.block_table
+            first = prefills[0].tok_start
+            meta.prefill_cu_seqlens = torch.tensor([0] + [p.tok_end - first for p in prefills], dtype=torch.long)
+            meta.prefill_start_pos = torch.tensor([p.start_pos for p in prefills], dtype=torch.long)
         return (self._dev(torch.tensor(ids, dtype=torch.long)), self._dev(torch.tensor(pos, dtype=torch.long)), slots,
                 meta, (self._dev(torch.tensor(sample_idx, dtype=torch.long)), sample_seq))
 

@@ -1,0 +1,85 @@
+// Helpers shared by the CPU ops: element conversions (float, bfloat16, int8), whole rows between
+// bfloat16 and fp32, AVX-512 loads of 16 values as fp32, and the walk over a block table.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace batchgen_cpu {
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline float to_f(int8_t x) { return static_cast<float>(x); }
+
+inline void st(float* p, int64_t i, float v) { p[i] = v; }
+inline void st(c10::BFloat16* p, int64_t i, float v) {  // round to nearest even, as c10::BFloat16 does
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  b += 0x7FFFu + ((b >> 16) & 1u);
+  reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(b >> 16);
+}
+
+// Whole rows between bf16 and fp32 (AVX-512 where compiled for it), so math loops can run on
+// plain float arrays and vectorise, exp included (libmvec).
+inline void row_to_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void row_to_f32(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = to_f(src[i]);
+}
+inline void row_from_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void row_from_f32(const float* src, c10::BFloat16* dst, int64_t n) {
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  for (; i + 16 <= n; i += 16) {  // round to nearest even
+    const __m512i b = _mm512_castps_si512(_mm512_loadu_ps(src + i));
+    const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(b, 16), one)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  }
+#endif
+  for (; i < n; ++i) st(dst, i, src[i]);
+}
+
+// Calls f(slot0, count, offset, next_block) for each run of positions [lo, hi) that lies in one
+// block of the table: slot0 is the run's first cache slot, offset its first position minus lo,
+// next_block the physical block after it (-1 at the end). Walking runs needs no per-token division.
+template <typename F>
+inline void walk_blocks(const int64_t* table, int64_t lo, int64_t hi, int64_t bs, F&& f) {
+  for (int64_t t = lo; t < hi;) {
+    const int64_t blk = t / bs, stop = std::min(hi, (blk + 1) * bs);
+    f(table[blk] * bs + (t - blk * bs), stop - t, t - lo, stop < hi ? table[blk + 1] : int64_t{-1});
+    t = stop;
+  }
+}
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+}  // namespace batchgen_cpu

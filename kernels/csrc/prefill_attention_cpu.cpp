@@ -1,0 +1,366 @@
+// Causal prefill attention for the CPU over the paged cache, for whole prompts and for chunks of
+// one (chunked prefill, prefix-cache hits): the new tokens' K/V are already in the cache.
+//
+// torch's path ran SDPA once per sequence (its CPU flash kernel reached only 65-105 GFLOP/s
+// here), after gathering the cached keys into a copy and building a mask for every chunk that
+// did not start at position 0. This reads K/V through the block tables and works flash-style:
+// a work item is (sequence, tile of TQ query tokens, KV head), its TQ x group query rows meet the
+// keys in chunks of KC, with an online softmax. Each chunk's K is converted to fp32 and
+// transposed once (16 x 16 in registers), so the score micro-kernel is plain broadcast-FMAs over
+// 8 rows x 32 keys, and P.V runs 4 rows x 64 dims at a time.
+//
+// Sequence p's queries are rows [cu[p], cu[p+1]) of q, at positions start[p], start[p] + 1, ...
+// A query at position t sees keys [t - window + 1, t] (window > 0) or [0, t].
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_common.h"
+
+namespace {
+
+using namespace batchgen_cpu;
+
+#ifdef __AVX512F__
+
+constexpr int64_t TQ = 16;   // query tokens per tile
+constexpr int64_t KC = 128;  // keys per chunk, a multiple of 32
+
+// r[i] = row i of a 16 x 16 tile, in place to column i.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  // u[4i + c] holds, in each 128-bit lane L, column c of rows 4i..4i+3 restricted to lane L's
+  // columns (4L + c). Gather lanes: first pairs of row groups, then the two halves.
+  for (int c = 0; c < 4; ++c) {
+    t[c] = _mm512_shuffle_f32x4(u[c], u[4 + c], _MM_SHUFFLE(2, 0, 2, 0));       // lanes 0,2 of g0 | g1
+    t[4 + c] = _mm512_shuffle_f32x4(u[c], u[4 + c], _MM_SHUFFLE(3, 1, 3, 1));   // lanes 1,3
+    t[8 + c] = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    t[12 + c] = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], _MM_SHUFFLE(2, 0, 2, 0));        // lane 0
+    r[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], _MM_SHUFFLE(3, 1, 3, 1));    // lane 2
+    r[4 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], _MM_SHUFFLE(2, 0, 2, 0));   // lane 1
+    r[12 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], _MM_SHUFFLE(3, 1, 3, 1));  // lane 3
+  }
+}
+
+// S[r][c0 .. c0 + 32) for rows r0 .. r0 + 8: Q [rows][d] (pre-scaled), Kt [d][KC].
+inline void scores_8x32(const float* Q, const float* Kt, float* S, int64_t d, int64_t r0, int64_t c0) {
+  __m512 a[8][2];
+  for (int r = 0; r < 8; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+  const float* q = Q + r0 * d;
+  for (int64_t k = 0; k < d; ++k) {
+    const __m512 k0 = _mm512_loadu_ps(Kt + k * KC + c0), k1 = _mm512_loadu_ps(Kt + k * KC + c0 + 16);
+    for (int r = 0; r < 8; ++r) {
+      const __m512 qb = _mm512_set1_ps(q[r * d + k]);
+      a[r][0] = _mm512_fmadd_ps(qb, k0, a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(qb, k1, a[r][1]);
+    }
+  }
+  for (int r = 0; r < 8; ++r) {
+    _mm512_storeu_ps(S + (r0 + r) * KC + c0, a[r][0]);
+    _mm512_storeu_ps(S + (r0 + r) * KC + c0 + 16, a[r][1]);
+  }
+}
+
+// O[r0 .. r0 + 4][s0 .. s0 + 16 NS) += P[r][0 .. nk) . V[0 .. nk)[same dims]; V [KC][d].
+template <int NS>
+inline void pv_4rows(const float* P, const float* V, float* O, int64_t d, int64_t nk, int64_t r0, int64_t s0) {
+  __m512 a[4][NS];
+  for (int r = 0; r < 4; ++r)
+    for (int n = 0; n < NS; ++n) a[r][n] = _mm512_loadu_ps(O + (r0 + r) * d + s0 + 16 * n);
+  const float* p0 = P + r0 * KC;
+  for (int64_t j = 0; j < nk; ++j) {
+    __m512 v[NS];
+    for (int n = 0; n < NS; ++n) v[n] = _mm512_loadu_ps(V + j * d + s0 + 16 * n);
+    for (int r = 0; r < 4; ++r) {
+      const __m512 p = _mm512_set1_ps(p0[r * KC + j]);
+      for (int n = 0; n < NS; ++n) a[r][n] = _mm512_fmadd_ps(p, v[n], a[r][n]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int n = 0; n < NS; ++n) _mm512_storeu_ps(O + (r0 + r) * d + s0 + 16 * n, a[r][n]);
+}
+
+// The same for 64 dims, written out: with an array GCC either re-loaded V for every row (a memory
+// operand per FMA: the loop ran load-bound) or, told to keep it in registers, spilled it.
+template <>
+inline void pv_4rows<4>(const float* P, const float* V, float* O, int64_t d, int64_t nk, int64_t r0, int64_t s0) {
+  float* o = O + r0 * d + s0;
+  __m512 a00 = _mm512_loadu_ps(o), a01 = _mm512_loadu_ps(o + 16), a02 = _mm512_loadu_ps(o + 32),
+         a03 = _mm512_loadu_ps(o + 48);
+  __m512 a10 = _mm512_loadu_ps(o + d), a11 = _mm512_loadu_ps(o + d + 16), a12 = _mm512_loadu_ps(o + d + 32),
+         a13 = _mm512_loadu_ps(o + d + 48);
+  __m512 a20 = _mm512_loadu_ps(o + 2 * d), a21 = _mm512_loadu_ps(o + 2 * d + 16),
+         a22 = _mm512_loadu_ps(o + 2 * d + 32), a23 = _mm512_loadu_ps(o + 2 * d + 48);
+  __m512 a30 = _mm512_loadu_ps(o + 3 * d), a31 = _mm512_loadu_ps(o + 3 * d + 16),
+         a32 = _mm512_loadu_ps(o + 3 * d + 32), a33 = _mm512_loadu_ps(o + 3 * d + 48);
+  const float* p0 = P + r0 * KC;
+  const float* vp = V + s0;
+  for (int64_t j = 0; j < nk; ++j, vp += d) {
+    __m512 v0 = _mm512_loadu_ps(vp), v1 = _mm512_loadu_ps(vp + 16), v2 = _mm512_loadu_ps(vp + 32),
+           v3 = _mm512_loadu_ps(vp + 48);
+    asm("" : "+v"(v0), "+v"(v1), "+v"(v2), "+v"(v3));
+    __m512 p = _mm512_set1_ps(p0[j]);
+    a00 = _mm512_fmadd_ps(p, v0, a00); a01 = _mm512_fmadd_ps(p, v1, a01);
+    a02 = _mm512_fmadd_ps(p, v2, a02); a03 = _mm512_fmadd_ps(p, v3, a03);
+    p = _mm512_set1_ps(p0[KC + j]);
+    a10 = _mm512_fmadd_ps(p, v0, a10); a11 = _mm512_fmadd_ps(p, v1, a11);
+    a12 = _mm512_fmadd_ps(p, v2, a12); a13 = _mm512_fmadd_ps(p, v3, a13);
+    p = _mm512_set1_ps(p0[2 * KC + j]);
+    a20 = _mm512_fmadd_ps(p, v0, a20); a21 = _mm512_fmadd_ps(p, v1, a21);
+    a22 = _mm512_fmadd_ps(p, v2, a22); a23 = _mm512_fmadd_ps(p, v3, a23);
+    p = _mm512_set1_ps(p0[3 * KC + j]);
+    a30 = _mm512_fmadd_ps(p, v0, a30); a31 = _mm512_fmadd_ps(p, v1, a31);
+    a32 = _mm512_fmadd_ps(p, v2, a32); a33 = _mm512_fmadd_ps(p, v3, a33);
+  }
+  _mm512_storeu_ps(o, a00); _mm512_storeu_ps(o + 16, a01); _mm512_storeu_ps(o + 32, a02);
+  _mm512_storeu_ps(o + 48, a03);
+  _mm512_storeu_ps(o + d, a10); _mm512_storeu_ps(o + d + 16, a11); _mm512_storeu_ps(o + d + 32, a12);
+  _mm512_storeu_ps(o + d + 48, a13);
+  _mm512_storeu_ps(o + 2 * d, a20); _mm512_storeu_ps(o + 2 * d + 16, a21); _mm512_storeu_ps(o + 2 * d + 32, a22);
+  _mm512_storeu_ps(o + 2 * d + 48, a23);
+  _mm512_storeu_ps(o + 3 * d, a30); _mm512_storeu_ps(o + 3 * d + 16, a31); _mm512_storeu_ps(o + 3 * d + 32, a32);
+  _mm512_storeu_ps(o + 3 * d + 48, a33);
+}
+
+struct Item {
+  int64_t seq, t0, head, cost;
+};
+
+struct Buffers {
+  std::vector<float> q, kt, v, s, o, m, l, alpha;
+  std::vector<int64_t> slots;
+  Buffers(int64_t rows, int64_t d)
+      : q(rows * d), kt(d * KC), v(KC * d), s(rows * KC), o(rows * d), m(rows), l(rows), alpha(rows), slots(KC) {}
+};
+
+// One work item: query tokens [t0, t0 + nq) of sequence p against KV head h.
+template <typename QT, typename KT>
+void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT* vc, const float* ks, const float* vs,
+                  const int64_t* table, int64_t row0, int64_t pos0, int64_t nq, int64_t h, int64_t heads, int64_t kvh,
+                  int64_t d, int64_t bs, int64_t window, float scale, Buffers& b) {
+  const int64_t G = heads / kvh, M = nq * G, Mp = (M + 7) / 8 * 8, nd16 = d / 16;
+  // Q rows m = i * G + g, scaled; padding rows zero.
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      float* dst = b.q.data() + (i * G + g) * d;
+      row_to_f32(q + (row0 + i) * q_stride + (h * G + g) * d, dst, d);
+      for (int64_t k = 0; k < d; ++k) dst[k] *= scale;
+    }
+  std::fill(b.q.begin() + M * d, b.q.begin() + Mp * d, 0.f);
+  std::fill(b.o.begin(), b.o.begin() + Mp * d, 0.f);
+  std::fill(b.m.begin(), b.m.begin() + Mp, -1e30f);
+  std::fill(b.l.begin(), b.l.begin() + Mp, 0.f);
+  const int64_t klo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0, khi = pos0 + nq;
+  const int64_t row = kvh * d;
+  for (int64_t c0 = klo; c0 < khi; c0 += KC) {
+    const int64_t nk = std::min(KC, khi - c0), nkp = (nk + 31) / 32 * 32;
+    walk_blocks(table, c0, c0 + nk, bs, [&](int64_t slot0, int64_t cnt, int64_t at, int64_t) {
+      for (int64_t i = 0; i < cnt; ++i) b.slots[at + i] = slot0 + i;
+    });
+    // K chunk -> Kt [d][KC] (transposed 16 keys x 16 dims at a time), V chunk -> V [KC][d].
+    for (int64_t g0 = 0; g0 < nkp; g0 += 16) {
+      for (int64_t dv = 0; dv < nd16; ++dv) {
+        __m512 r[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t j = g0 + i;
+          if (j < nk) {
+            const int64_t slot = b.slots[j];
+            r[i] = load16(kc + slot * row + h * d + dv * 16);
+            if (ks) r[i] = _mm512_mul_ps(r[i], _mm512_set1_ps(ks[slot * kvh + h]));
+          } else {
+            r[i] = _mm512_setzero_ps();
+          }
+        }
+        transpose16(r);
+        for (int64_t i = 0; i < 16; ++i) _mm512_storeu_ps(b.kt.data() + (dv * 16 + i) * KC + g0, r[i]);
+      }
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t slot = b.slots[j];
+      const __m512 sc = _mm512_set1_ps(vs ? vs[slot * kvh + h] : 1.f);
+      for (int64_t dv = 0; dv < nd16; ++dv)
+        _mm512_storeu_ps(b.v.data() + j * d + dv * 16, _mm512_mul_ps(load16(vc + slot * row + h * d + dv * 16), sc));
+    }
+    for (int64_t r0 = 0; r0 < Mp; r0 += 8)
+      for (int64_t cc = 0; cc < nkp; cc += 32) scores_8x32(b.q.data(), b.kt.data(), b.s.data(), d, r0, cc);
+    // Online softmax over each row's visible keys of the chunk; the rest get probability 0.
+    for (int64_t r = 0; r < Mp; ++r) {
+      float* s = b.s.data() + r * KC;
+      int64_t jlo = 0, jhi = 0;
+      if (r < M) {
+        const int64_t t = pos0 + r / G;
+        jlo = window > 0 ? std::max<int64_t>(0, t - window + 1 - c0) : 0;
+        jhi = std::min(nk, t + 1 - c0);
+      }
+      if (jhi <= jlo) {
+        std::fill(s, s + nk, 0.f);
+        b.alpha[r] = 1.f;
+        continue;
+      }
+      float mx = s[jlo];
+      for (int64_t j = jlo + 1; j < jhi; ++j) mx = s[j] > mx ? s[j] : mx;
+      const float mnew = std::max(b.m[r], mx);
+      b.alpha[r] = b.m[r] <= -1e30f ? 0.f : std::exp(b.m[r] - mnew);
+      float z = 0.f;
+#pragma omp simd reduction(+ : z)
+      for (int64_t j = jlo; j < jhi; ++j) {
+        s[j] = std::exp(s[j] - mnew);
+        z += s[j];
+      }
+      std::fill(s, s + jlo, 0.f);
+      std::fill(s + jhi, s + nk, 0.f);
+      b.l[r] = b.l[r] * b.alpha[r] + z;
+      b.m[r] = mnew;
+      if (b.alpha[r] != 1.f)
+        for (int64_t k = 0; k < d; ++k) b.o[r * d + k] *= b.alpha[r];
+    }
+    for (int64_t r0 = 0; r0 < Mp; r0 += 4) {
+      int64_t s0 = 0;
+      for (; s0 + 64 <= d; s0 += 64) pv_4rows<4>(b.s.data(), b.v.data(), b.o.data(), d, nk, r0, s0);
+      switch ((d - s0) / 16) {
+        case 1: pv_4rows<1>(b.s.data(), b.v.data(), b.o.data(), d, nk, r0, s0); break;
+        case 2: pv_4rows<2>(b.s.data(), b.v.data(), b.o.data(), d, nk, r0, s0); break;
+        case 3: pv_4rows<3>(b.s.data(), b.v.data(), b.o.data(), d, nk, r0, s0); break;
+        default: break;
+      }
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t i = r / G, g = r % G;
+    float* o = b.o.data() + r * d;
+    const float inv = 1.f / b.l[r];
+    for (int64_t k = 0; k < d; ++k) o[k] *= inv;
+    row_from_f32(o, out + (row0 + i) * heads * d + (h * G + g) * d, d);
+  }
+}
+
+template <typename QT, typename KT>
+void prefill_run(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT* vc, const float* ks, const float* vs,
+                 const int64_t* tables, int64_t width, const int64_t* cu, const int64_t* start, int64_t nseq,
+                 int64_t heads, int64_t kvh, int64_t d, int64_t bs, int64_t window, float scale) {
+  std::vector<Item> items;
+  int64_t total = 0;
+  for (int64_t p = 0; p < nseq; ++p)
+    for (int64_t t0 = 0; t0 < cu[p + 1] - cu[p]; t0 += TQ) {
+      const int64_t nq = std::min(TQ, cu[p + 1] - cu[p] - t0), pos0 = start[p] + t0;
+      const int64_t keys = pos0 + nq - (window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0);
+      for (int64_t h = 0; h < kvh; ++h) {
+        items.push_back({p, t0, h, nq * (keys + 32) + 256});
+        total += items.back().cost;
+      }
+    }
+  // One contiguous range of items per thread, of equal total cost.
+  const int64_t n = static_cast<int64_t>(items.size());
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::vector<int64_t> bounds(nt + 1, n);
+  bounds[0] = 0;
+  int64_t acc = 0, t = 1;
+  for (int64_t i = 0; i < n && t < nt; ++i) {
+    acc += items[i].cost;
+    while (t < nt && acc * nt >= total * t) bounds[t++] = i + 1;
+  }
+  at::parallel_for(0, nt, 1, [&](int64_t tb, int64_t te) {
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);  // FTZ|DAZ: tiny probabilities would each cost a microcode assist
+    Buffers b(TQ * (heads / kvh) + 8, d);
+    for (int64_t i = bounds[tb]; i < bounds[te]; ++i) {
+      const Item& it = items[i];
+      const int64_t nq = std::min(TQ, cu[it.seq + 1] - cu[it.seq] - it.t0);
+      prefill_item(out, q, q_stride, kc, vc, ks, vs, tables + it.seq * width, cu[it.seq] + it.t0,
+                   start[it.seq] + it.t0, nq, it.head, heads, kvh, d, bs, window, scale, b);
+    }
+    _mm_setcsr(csr);
+  });
+}
+
+bool has_prefill_path(int64_t heads, int64_t kvh, int64_t d) {
+  return kvh > 0 && heads % kvh == 0 && d % 16 == 0 && d > 0;
+}
+#else
+bool has_prefill_path(int64_t, int64_t, int64_t) { return false; }
+#endif
+
+void paged_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                   c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale, at::Tensor block_tables,
+                   at::Tensor cu_seqlens, at::Tensor start_pos, int64_t window, double scale_d) {
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == at::kFloat || bf16) && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "paged_prefill: q must be float32 or bfloat16 [n, heads, dim] with contiguous heads (rows may be strided)");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "paged_prefill: out must be contiguous, shaped and typed like q");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == q.size(2) &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged_prefill: caches must be contiguous [blocks, block_size, kv_heads, dim] matching q");
+  const int64_t heads = q.size(1), kvh = k_cache.size(2), d = q.size(2), bs = k_cache.size(1);
+  TORCH_CHECK(has_prefill_path(heads, kvh, d),
+              "paged_prefill: needs AVX-512, head_dim a multiple of 16 and heads a multiple of kv_heads");
+  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong && block_tables.dim() == 2,
+              "paged_prefill: block_tables must be contiguous int64 [num_seqs, width]");
+  const int64_t nseq = block_tables.size(0), width = block_tables.size(1);
+  TORCH_CHECK(cu_seqlens.is_contiguous() && cu_seqlens.scalar_type() == at::kLong && cu_seqlens.numel() == nseq + 1,
+              "paged_prefill: cu_seqlens must be contiguous int64 [num_seqs + 1]");
+  TORCH_CHECK(start_pos.is_contiguous() && start_pos.scalar_type() == at::kLong && start_pos.numel() == nseq,
+              "paged_prefill: start_pos must be contiguous int64 [num_seqs]");
+  const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
+  const int64_t* st = start_pos.data_ptr<int64_t>();
+  TORCH_CHECK(cu[0] == 0 && cu[nseq] == q.size(0), "paged_prefill: cu_seqlens must run from 0 to q's row count");
+  for (int64_t p = 0; p < nseq; ++p)
+    TORCH_CHECK(cu[p + 1] >= cu[p] && st[p] >= 0 && st[p] + cu[p + 1] - cu[p] <= width * bs,
+                "paged_prefill: sequence ", p, " (start ", st[p], ", ", cu[p + 1] - cu[p],
+                " tokens) does not fit its block table (", width, " blocks of ", bs, ")");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16 || int8,
+              "paged_prefill: the cache must be float32, bfloat16 or int8");
+  if (int8)
+    TORCH_CHECK(k_scale.has_value() && v_scale.has_value() && k_scale->is_contiguous() && v_scale->is_contiguous() &&
+                    k_scale->scalar_type() == at::kFloat && k_scale->numel() * d == k_cache.numel() &&
+                    v_scale->numel() * d == v_cache.numel(),
+                "paged_prefill: an int8 cache needs contiguous float32 scales [blocks, block_size, kv_heads]");
+#ifdef __AVX512F__
+  const float scale = static_cast<float>(scale_d);
+  const int64_t* tp = block_tables.data_ptr<int64_t>();
+  auto with_cache = [&](auto* qp, auto* op) {
+    const int64_t qs = q.stride(0);
+    if (k_cache.scalar_type() == at::kFloat)
+      prefill_run(op, qp, qs, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), nullptr, nullptr, tp, width, cu,
+                  st, nseq, heads, kvh, d, bs, window, scale);
+    else if (k_cache.scalar_type() == at::kBFloat16)
+      prefill_run(op, qp, qs, k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), nullptr, nullptr,
+                  tp, width, cu, st, nseq, heads, kvh, d, bs, window, scale);
+    else
+      prefill_run(op, qp, qs, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), k_scale->data_ptr<float>(),
+                  v_scale->data_ptr<float>(), tp, width, cu, st, nseq, heads, kvh, d, bs, window, scale);
+  };
+  if (bf16)
+    with_cache(q.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
+  else
+    with_cache(q.data_ptr<float>(), out.data_ptr<float>());
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
+  m.def("paged_prefill(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
+        "Tensor block_tables, Tensor cu_seqlens, Tensor start_pos, int window, float scale) -> ()",
+        &paged_prefill);
+  m.def("has_prefill_path(int heads, int kv_heads, int head_dim) -> bool", &has_prefill_path);
+}
