@@ -210,6 +210,37 @@ def test_silu_mul(dtype):
     torch.testing.assert_close(ca.silu_mul(gu).float(), want, **_tol(dtype))
 
 
+def test_silu_mul_accuracy_over_the_whole_range():
+    """The op's own exp and reciprocal (not libm's): within a few fp32 ulps of float64 from the
+    tails (|g| up to 100, where exp(-|g|) underflows) through 0, odd widths included."""
+    g = torch.cat([torch.linspace(-100, 100, 20001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 87.5, -87.5])])
+    g = g[: g.numel() // 19 * 19].view(-1, 19)  # width 19: one 16-lane vector and a scalar tail per row
+    gu = torch.cat([g, torch.full_like(g, 1.5)], dim=1)
+    want = torch.nn.functional.silu(g.double()) * 1.5
+    torch.testing.assert_close(ca.silu_mul(gu).double(), want, rtol=1e-6, atol=1e-30)
+    wide = torch.linspace(-30, 30, 2 * 4096).view(2, 4096)
+    gu = torch.cat([wide, torch.ones_like(wide)], dim=1)
+    torch.testing.assert_close(ca.silu_mul(gu).double(), torch.nn.functional.silu(wide.double()), rtol=1e-6,
+                               atol=1e-30)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_strided_rows_into_their_slots(dtype):
+    from batchgen.runner.attention import store_kv
+
+    g = torch.Generator().manual_seed(6)
+    qkv = torch.randn(40, 15 * 64, generator=g).to(dtype)
+    k, v = qkv[:, 9 * 64 : 12 * 64].view(40, 3, 64), qkv[:, 12 * 64 :].view(40, 3, 64)
+    slots = torch.randperm(20 * 16, generator=g)[:40]
+    kc, vc = torch.zeros(20, 16, 3, 64, dtype=dtype), torch.zeros(20, 16, 3, 64, dtype=dtype)
+    ca.store_kv(k, v, kc, vc, slots)
+    kr, vr = torch.zeros_like(kc), torch.zeros_like(vc)
+    store_kv(k, v, kr, vr, slots)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr) and kc.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="slot 320 of token 3 is outside the cache"):
+        ca.store_kv(k, v, kc, vc, torch.where(torch.arange(40) == 3, 320, slots))
+
+
 def test_fused_ops_refuse_mismatched_shapes():
     with pytest.raises(RuntimeError, match="weight must be"):
         ca.add_rms_norm(torch.randn(2, 8), None, torch.ones(7), 1e-5)

@@ -33,6 +33,7 @@ void add_rms_norm_impl(T* out, T* h, const T* delta, const T* w, int64_t n, int6
   std::vector<float> wf(d);
   row_to_f32(w, wf.data(), d);
   at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+    FlushDenormals ftz;
     std::vector<float> hf(d), df(d);
     for (int64_t r = b; r < e; ++r) {
       T* hr = h + r * h_stride;
@@ -64,6 +65,7 @@ template <typename T>
 void rope_impl(T* x, const T* cos, const T* sin, int64_t n, int64_t heads, int64_t dim, int64_t x_stride) {
   const int64_t half = dim / 2;
   at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+    FlushDenormals ftz;
     for (int64_t r = b; r < e; ++r) {
       const T* c = cos + r * dim;
       const T* s = sin + r * dim;
@@ -81,19 +83,65 @@ void rope_impl(T* x, const T* cos, const T* sin, int64_t n, int64_t heads, int64
 }
 
 // gate_up [n, 2 * inter] -> out [n, inter] = silu(gate) * up.
+#ifdef __AVX512F__
+// silu(g) * u for 16 lanes: g * sigmoid(g), sigmoid through exp(-|g|) and a refined reciprocal.
+// libmvec's exp plus a true division cost ~40 cycles per 16 values, which made this op
+// compute-bound (369 us per decode step of 256 rows in fp32); this is ~4x cheaper.
+// exp(x), x <= 0: 2^k * p(r) with x = k ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial
+// (relative error < 3e-8 on that range, below fp32's half-ulp).
+inline __m512 exp_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145752f), x);
+  const __m512 rr = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, k);
+}
+
+inline __m512 silu16(__m512 g) {
+  const __m512 e = exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));  // exp(-|g|) in (0, 1]
+  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+  __m512 inv = _mm512_rcp14_ps(den);  // 14 bits, then one Newton step: ~1 ulp
+  inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
+  // sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) for g < 0.
+  const __m512 sig = _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), inv, e);
+  return _mm512_mul_ps(g, sig);
+}
+#endif
+
 template <typename T>
 void silu_mul_impl(T* out, const T* gu, int64_t n, int64_t inter, int64_t gu_stride) {
   at::parallel_for(0, n, 8, [&](int64_t b, int64_t e) {
+    FlushDenormals ftz;
     std::vector<float> g(inter), u(inter);
     for (int64_t r = b; r < e; ++r) {
       row_to_f32(gu + r * gu_stride, g.data(), inter);
       row_to_f32(gu + r * gu_stride + inter, u.data(), inter);
       float* gp = g.data();
       const float* up = u.data();
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) gp[i] = gp[i] / (1.f + std::exp(-gp[i])) * up[i];
+      int64_t i = 0;
+#ifdef __AVX512F__
+      for (; i + 16 <= inter; i += 16)
+        _mm512_storeu_ps(gp + i, _mm512_mul_ps(silu16(_mm512_loadu_ps(gp + i)), _mm512_loadu_ps(up + i)));
+#endif
+      for (; i < inter; ++i) gp[i] = gp[i] / (1.f + std::exp(-gp[i])) * up[i];
       row_from_f32(gp, out + r * inter, inter);
     }
+  });
+}
+
+// Rows of k/v [n, kv_heads, dim] (rows may be strided, heads contiguous) into cache slots.
+template <typename T>
+void store_kv_impl(T* cache, const T* x, const int64_t* slots, int64_t n, int64_t row, int64_t stride) {
+  at::parallel_for(0, n, 256, [&](int64_t b, int64_t e) {
+    FlushDenormals ftz;
+    for (int64_t i = b; i < e; ++i) std::memcpy(cache + slots[i] * row, x + i * stride, row * sizeof(T));
   });
 }
 
@@ -102,6 +150,7 @@ void silu_mul_impl(T* out, const T* gu, int64_t n, int64_t inter, int64_t gu_str
 template <typename T>
 void argmax_rows_impl(int64_t* out, const T* x, int64_t n, int64_t v, int64_t stride) {
   at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    FlushDenormals ftz;
     std::vector<float> buf(4096);
     for (int64_t r = b; r < e; ++r) {
       float best = -INFINITY;
@@ -192,6 +241,34 @@ void silu_mul(at::Tensor out, at::Tensor gate_up) {
   }
 }
 
+void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "store_kv: caches must be contiguous [blocks, block_size, kv_heads, dim], alike");
+  const int64_t row = k_cache.size(2) * k_cache.size(3), nslots = k_cache.size(0) * k_cache.size(1);
+  for (const at::Tensor& x : {k, v})
+    TORCH_CHECK(x.dim() == 3 && x.size(1) == k_cache.size(2) && x.size(2) == k_cache.size(3) && x.stride(2) == 1 &&
+                    x.stride(1) == x.size(2) && x.scalar_type() == k_cache.scalar_type(),
+                "store_kv: k/v must be [n, kv_heads, dim] in the cache's dtype with contiguous heads");
+  TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == at::kLong && slots.numel() == k.size(0) &&
+                  v.size(0) == k.size(0),
+              "store_kv: slot_mapping must be contiguous int64 [n]");
+  const int64_t n = k.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < nslots, "store_kv: slot ", sp[i], " of token ", i, " is outside the cache (",
+                nslots, " slots)");
+  if (is_bf16(k)) {
+    using T = c10::BFloat16;
+    store_kv_impl<T>(k_cache.data_ptr<T>(), k.data_ptr<T>(), sp, n, row, k.stride(0));
+    store_kv_impl<T>(v_cache.data_ptr<T>(), v.data_ptr<T>(), sp, n, row, v.stride(0));
+  } else {
+    TORCH_CHECK(k.scalar_type() == at::kFloat, "store_kv: float32 or bfloat16");
+    store_kv_impl<float>(k_cache.data_ptr<float>(), k.data_ptr<float>(), sp, n, row, k.stride(0));
+    store_kv_impl<float>(v_cache.data_ptr<float>(), v.data_ptr<float>(), sp, n, row, v.stride(0));
+  }
+}
+
 void argmax_rows(at::Tensor out, at::Tensor x) {
   check_2d(x, "x");
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kLong && out.numel() == x.size(0),
@@ -212,4 +289,5 @@ TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) h, Tensor? delta, Tensor weight, float eps) -> ()", &add_rms_norm);
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &rope_);
   m.def("silu_mul(Tensor(a!) out, Tensor gate_up) -> ()", &silu_mul);
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()", &store_kv);
 }

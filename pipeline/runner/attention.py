@@ -179,7 +179,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q [num_tokens, heads, dim], k/v [num_tokens, kv_heads, dim] -> [num_tokens, heads, dim]."""
     if meta.backend == "triton":
         return _triton_attention(q, k, v, k_cache, v_cache, meta, scale)
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.backend == "cpu" and _cpu_store_ok(k, v, k_cache):
+        from batchgen.kernels.cpu_attention import store_kv as cpu_store_kv
+
+        cpu_store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
@@ -316,6 +321,11 @@ def _cpu_op_call(q, k_cache, v_cache, tables, lo, hi, scale, with_lse=False, out
         return paged_decode(q, k_cache.data, v_cache.data, tables, lo, hi, scale, k_cache.scale, v_cache.scale,
                             with_lse=with_lse, out=out)
     return paged_decode(q, k_cache, v_cache, tables, lo, hi, scale, with_lse=with_lse, out=out)
+
+
+def _cpu_store_ok(k: torch.Tensor, v: torch.Tensor, k_cache) -> bool:
+    return (not isinstance(k_cache, QuantCache) and k.dtype == k_cache.dtype == v.dtype
+            and all(x.stride(-1) == 1 and x.stride(1) == x.shape[2] for x in (k, v)))
 
 
 def _prefill_cpu_ok(q: torch.Tensor, k_cache) -> bool:
