@@ -101,7 +101,7 @@ def available() -> bool:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  lo: torch.Tensor, hi: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, with_lse: bool = False, out: torch.Tensor | None = None):
-    """Each row i of q [n, heads, dim] attends to keys [lo[i], hi[i]) of its block table.
+    """Each row i of q [n, heads, dim] (rows may be strided) attends to keys [lo[i], hi[i]) of its block table.
     Caches [blocks, block_size, kv_heads, dim] in float32/bfloat16, or int8 with per-(slot, head)
     scales [blocks, block_size, kv_heads]. Returns out [n, heads, dim] in q's dtype (written into
     `out` when given: contiguous, q's shape and dtype), and with with_lse also the fp32
@@ -110,7 +110,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     n, heads, d = q.shape
     # The op reads and writes fp32, and bf16 where its specialised kernel fits; else via fp32.
     native = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _fast(heads, k_cache.shape[2], d))
-    qx = q.contiguous() if native else q.to(torch.float32).contiguous()
+    if not native:
+        qx = q.to(torch.float32).contiguous()
+    else:  # a view into the fused QKV output (rows strided) is read in place
+        qx = q if q.stride(-1) == 1 and q.stride(1) == d else q.contiguous()
     ox = out if native and out is not None else torch.empty(q.shape, dtype=qx.dtype)
     lse = torch.empty(q.shape[:2], dtype=torch.float32) if with_lse else None
     torch.ops.batchgen_cpu.paged_decode(ox, lse, qx, k_cache, v_cache, k_scale, v_scale, block_tables, lo, hi,

@@ -52,7 +52,7 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* lse) {
 
 // Any head_dim, any group size, no AVX-512: one (sequence, KV head) per work item.
 template <typename KT>
-void decode_impl(float* out, float* lse, const float* q, const KT* kc, const KT* vc, const float* ks, const float* vs,
+void decode_impl(float* out, float* lse, const float* q, int64_t q_stride, const KT* kc, const KT* vc, const float* ks, const float* vs,
                  const int64_t* tables, const int64_t* lo_p, const int64_t* hi_p, int64_t n, int64_t heads,
                  int64_t kvh, int64_t d, int64_t bs, int64_t width, float scale) {
   const int64_t group = heads / kvh;
@@ -69,7 +69,7 @@ void decode_impl(float* out, float* lse, const float* q, const KT* kc, const KT*
         continue;
       }
       for (int64_t g = 0; g < group; ++g) {
-        load_row(qf.data() + g * d, q + s * heads * d + (h * group + g) * d, d);
+        load_row(qf.data() + g * d, q + s * q_stride + (h * group + g) * d, d);
         for (int64_t i = 0; i < d; ++i) qf[g * d + i] *= scale;
       }
       scores.resize(group * len);
@@ -252,7 +252,7 @@ SeqFn pick(int64_t g, int64_t d) {
 // q and out are float32, or bfloat16 with bf16_io (converted a sequence at a time here, which
 // saves the model two whole-tensor conversions per layer).
 template <typename KT>
-bool decode_fast(void* out_v, float* lse, const void* q_v, bool bf16_io, const KT* kc, const KT* vc, const float* ks,
+bool decode_fast(void* out_v, float* lse, const void* q_v, int64_t q_stride, bool bf16_io, const KT* kc, const KT* vc, const float* ks,
                  const float* vs, const int64_t* tables, const int64_t* lo_p, const int64_t* hi_p, int64_t n,
                  int64_t heads, int64_t kvh, int64_t d, int64_t bs, int64_t width, float scale) {
   const int64_t group = heads / kvh;
@@ -283,9 +283,9 @@ bool decode_fast(void* out_v, float* lse, const void* q_v, bool bf16_io, const K
     for (int64_t s = begin; s < end; ++s) {
       const int64_t lo = lo_p[s], hi = hi_p[s];
       float* o = bf16_io ? obuf.data() : static_cast<float*>(out_v) + s * hd;
-      const float* qs = static_cast<const float*>(q_v) + s * hd;
+      const float* qs = static_cast<const float*>(q_v) + s * q_stride;
       if (bf16_io) {
-        const c10::BFloat16* qb = static_cast<const c10::BFloat16*>(q_v) + s * hd;
+        const c10::BFloat16* qb = static_cast<const c10::BFloat16*>(q_v) + s * q_stride;
         for (int64_t i = 0; i < hd; ++i) qbuf[i] = to_f(qb[i]);
         qs = qbuf.data();
       }
@@ -311,7 +311,7 @@ bool has_fast_path(int64_t heads, int64_t kvh, int64_t d) {
 }
 #else
 template <typename KT>
-bool decode_fast(void*, float*, const void*, bool, const KT*, const KT*, const float*, const float*, const int64_t*,
+bool decode_fast(void*, float*, const void*, int64_t, bool, const KT*, const KT*, const float*, const float*, const int64_t*,
                  const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float) {
   return false;
 }
@@ -322,8 +322,10 @@ void paged_decode(at::Tensor out, c10::optional<at::Tensor> lse, at::Tensor q, a
                   at::Tensor v_cache, c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale,
                   at::Tensor block_tables, at::Tensor lo, at::Tensor hi, double scale_d) {
   const bool bf16_io = q.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && (q.scalar_type() == at::kFloat || bf16_io),
-              "paged_decode: q must be contiguous float32 or bfloat16 [n, heads, dim]");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) &&
+                  (q.scalar_type() == at::kFloat || bf16_io),
+              "paged_decode: q must be float32 or bfloat16 [n, heads, dim] with contiguous heads (rows may be "
+              "strided)");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
               "paged_decode: out must be contiguous, shaped and typed like q");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
@@ -360,8 +362,8 @@ void paged_decode(at::Tensor out, c10::optional<at::Tensor> lse, at::Tensor q, a
   const int64_t* hp = hi.data_ptr<int64_t>();
   const float scale = static_cast<float>(scale_d);
   auto run = [&](auto* kc, auto* vc, const float* ks, const float* vs) {
-    if (!decode_fast(o, lse_p, qp, bf16_io, kc, vc, ks, vs, tp, lp, hp, n, heads, kvh, d, bs, width, scale))
-      decode_impl(static_cast<float*>(o), lse_p, static_cast<const float*>(qp), kc, vc, ks, vs, tp, lp, hp, n, heads,
+    if (!decode_fast(o, lse_p, qp, q.stride(0), bf16_io, kc, vc, ks, vs, tp, lp, hp, n, heads, kvh, d, bs, width, scale))
+      decode_impl(static_cast<float*>(o), lse_p, static_cast<const float*>(qp), q.stride(0), kc, vc, ks, vs, tp, lp, hp, n, heads,
                   kvh, d, bs, width, scale);
   };
   if (k_cache.scalar_type() == at::kFloat) {
