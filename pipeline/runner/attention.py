@@ -202,7 +202,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                 out[grp.start : grp.end] = _decode_cascade(q[grp.start : grp.end], k_cache, v_cache, grp, scale)
             for b in meta.decode_buckets:
                 out[b.start : b.end] = _decode_batched(q[b.start : b.end], k_cache, v_cache, b, scale)
-    if meta.prefills and meta.backend == "cpu" and meta.decode_mode != "exact" and _prefill_cpu_ok(q, k_cache):
+    if (meta.prefills and meta.backend == "cpu" and meta.decode_mode != "exact" and meta.prefill_cu_seqlens is not None
+            and _prefill_cpu_ok(q, k_cache)):
         _prefill_cpu_op(q[nd:], k_cache, v_cache, meta, scale, out[nd:])
         return out
     for p in meta.prefills:
