@@ -306,3 +306,15 @@ def test_cascade_decode_over_a_shared_prefix_matches_transformers(family_model, 
     assert calls, "the cascade path ran"
     for i, want in enumerate(ref):
         assert res[(str(i), 0)].token_ids == want, f"prompt {i} diverged"
+
+
+@pytest.mark.parametrize("off", ["0", "1"])
+def test_host_kv_tensors_are_zeroed_with_or_without_the_hugepage_hint(monkeypatch, off):
+    from batchgen.runner.model_runner import host_zeros
+
+    monkeypatch.setenv("BATCHGEN_NO_HUGEPAGES", off)
+    t = host_zeros((300, 16, 3, 64), torch.bfloat16)  # 5.6 MiB: spans at least one aligned 2 MiB page
+    assert t.shape == (300, 16, 3, 64) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert not t.any()
+    t[-1, -1, -1, -1] = 1.0  # the whole range is writable memory
+    assert t.sum().item() == 1.0
