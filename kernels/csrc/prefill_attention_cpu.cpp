@@ -17,6 +17,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
@@ -77,6 +79,32 @@ inline void scores_8x32(const float* Q, const float* Kt, float* S, int64_t d, in
     _mm512_storeu_ps(S + (r0 + r) * KC + c0 + 16, a[r][1]);
   }
 }
+
+#ifdef __AVX512BF16__
+// The same from bf16 pairs with vdpbf16ps (two products per lane, twice the FMA path's rate):
+// Q2 [rows][d / 2] pairs (q[2p], q[2p + 1]) and K2 [d / 2][KC] pairs (k[2p], k[2p + 1]) of each
+// key; the scale is applied to the fp32 sums.
+inline void scores_8x32_bf16(const uint32_t* Q2, const uint32_t* K2, float* S, int64_t d2, int64_t r0, int64_t c0,
+                             float scale) {
+  __m512 a[8][2];
+  for (int r = 0; r < 8; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+  const uint32_t* q = Q2 + r0 * d2;
+  for (int64_t p = 0; p < d2; ++p) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(K2 + p * KC + c0);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(K2 + p * KC + c0 + 16);
+    for (int r = 0; r < 8; ++r) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * d2 + p]));
+      a[r][0] = _mm512_dpbf16_ps(a[r][0], qb, k0);
+      a[r][1] = _mm512_dpbf16_ps(a[r][1], qb, k1);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < 8; ++r) {
+    _mm512_storeu_ps(S + (r0 + r) * KC + c0, _mm512_mul_ps(a[r][0], sc));
+    _mm512_storeu_ps(S + (r0 + r) * KC + c0 + 16, _mm512_mul_ps(a[r][1], sc));
+  }
+}
+#endif
 
 // O[r0 .. r0 + 4][s0 .. s0 + 16 NS) += P[r][0 .. nk) . V[0 .. nk)[same dims]; V [KC][d].
 template <int NS>
@@ -145,9 +173,11 @@ struct Item {
 
 struct Buffers {
   std::vector<float> q, kt, v, s, o, m, l, alpha;
+  std::vector<uint32_t> q2, k2;  // the bf16 score path: pairs of bf16 per 32-bit element
   std::vector<int64_t> slots;
   Buffers(int64_t rows, int64_t d)
-      : q(rows * d), kt(d * KC), v(KC * d), s(rows * KC), o(rows * d), m(rows), l(rows), alpha(rows), slots(KC) {}
+      : q(rows * d), kt(d * KC), v(KC * d), s(rows * KC), o(rows * d), m(rows), l(rows), alpha(rows),
+        q2(rows * d / 2), k2(d / 2 * KC), slots(KC) {}
 };
 
 // One work item: query tokens [t0, t0 + nq) of sequence p against KV head h.
@@ -156,14 +186,29 @@ void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT
                   const int64_t* table, int64_t row0, int64_t pos0, int64_t nq, int64_t h, int64_t heads, int64_t kvh,
                   int64_t d, int64_t bs, int64_t window, float scale, Buffers& b) {
   const int64_t G = heads / kvh, M = nq * G, Mp = (M + 7) / 8 * 8, nd16 = d / 16;
-  // Q rows m = i * G + g, scaled; padding rows zero.
-  for (int64_t i = 0; i < nq; ++i)
-    for (int64_t g = 0; g < G; ++g) {
-      float* dst = b.q.data() + (i * G + g) * d;
-      row_to_f32(q + (row0 + i) * q_stride + (h * G + g) * d, dst, d);
-      for (int64_t k = 0; k < d; ++k) dst[k] *= scale;
-    }
-  std::fill(b.q.begin() + M * d, b.q.begin() + Mp * d, 0.f);
+#ifdef __AVX512BF16__
+  // bf16 q and cache: scores from the bf16 values as they are (the FMA path converts them to fp32
+  // first, exactly; the products and sums are fp32 either way).
+  constexpr bool pairs = std::is_same<QT, c10::BFloat16>::value && std::is_same<KT, c10::BFloat16>::value;
+  const bool bf16_scores = pairs && d % 32 == 0;
+#else
+  const bool bf16_scores = false;
+#endif
+  const int64_t d2 = d / 2;
+  if (bf16_scores) {  // Q rows m = i * G + g as bf16 pairs; padding rows zero
+    for (int64_t i = 0; i < nq; ++i)
+      for (int64_t g = 0; g < G; ++g)
+        std::memcpy(b.q2.data() + (i * G + g) * d2, q + (row0 + i) * q_stride + (h * G + g) * d, d * 2);
+    std::fill(b.q2.begin() + M * d2, b.q2.begin() + Mp * d2, 0u);
+  } else {  // Q rows m = i * G + g, scaled; padding rows zero
+    for (int64_t i = 0; i < nq; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        float* dst = b.q.data() + (i * G + g) * d;
+        row_to_f32(q + (row0 + i) * q_stride + (h * G + g) * d, dst, d);
+        for (int64_t k = 0; k < d; ++k) dst[k] *= scale;
+      }
+    std::fill(b.q.begin() + M * d, b.q.begin() + Mp * d, 0.f);
+  }
   std::fill(b.o.begin(), b.o.begin() + Mp * d, 0.f);
   std::fill(b.m.begin(), b.m.begin() + Mp, -1e30f);
   std::fill(b.l.begin(), b.l.begin() + Mp, 0.f);
@@ -175,7 +220,21 @@ void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT
       for (int64_t i = 0; i < cnt; ++i) b.slots[at + i] = slot0 + i;
     });
     // K chunk -> Kt [d][KC] (transposed 16 keys x 16 dims at a time), V chunk -> V [KC][d].
-    for (int64_t g0 = 0; g0 < nkp; g0 += 16) {
+    // The bf16 score path: K2 [d / 2][KC], 16 keys x 16 bf16 pairs transposed as 32-bit values.
+    for (int64_t g0 = 0; bf16_scores && g0 < nkp; g0 += 16) {
+      for (int64_t dv = 0; dv < d / 32; ++dv) {
+        __m512 r[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t j = g0 + i;
+          r[i] = j < nk ? _mm512_castsi512_ps(_mm512_loadu_si512(kc + b.slots[j] * row + h * d + dv * 32))
+                        : _mm512_setzero_ps();
+        }
+        transpose16(r);
+        for (int64_t i = 0; i < 16; ++i)
+          _mm512_storeu_ps(reinterpret_cast<float*>(b.k2.data()) + (dv * 16 + i) * KC + g0, r[i]);
+      }
+    }
+    for (int64_t g0 = 0; !bf16_scores && g0 < nkp; g0 += 16) {
       for (int64_t dv = 0; dv < nd16; ++dv) {
         __m512 r[16];
         for (int64_t i = 0; i < 16; ++i) {
@@ -199,7 +258,15 @@ void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT
         _mm512_storeu_ps(b.v.data() + j * d + dv * 16, _mm512_mul_ps(load16(vc + slot * row + h * d + dv * 16), sc));
     }
     for (int64_t r0 = 0; r0 < Mp; r0 += 8)
-      for (int64_t cc = 0; cc < nkp; cc += 32) scores_8x32(b.q.data(), b.kt.data(), b.s.data(), d, r0, cc);
+      for (int64_t cc = 0; cc < nkp; cc += 32) {
+#ifdef __AVX512BF16__
+        if (bf16_scores) {
+          scores_8x32_bf16(b.q2.data(), b.k2.data(), b.s.data(), d2, r0, cc, scale);
+          continue;
+        }
+#endif
+        scores_8x32(b.q.data(), b.kt.data(), b.s.data(), d, r0, cc);
+      }
     // Online softmax over each row's visible keys of the chunk; the rest get probability 0.
     for (int64_t r = 0; r < Mp; ++r) {
       float* s = b.s.data() + r * KC;
