@@ -96,7 +96,8 @@ def test_fast_paths_are_close_to_transformers(hf_model, smol_tokenizer, workload
 
 
 # Measured here (64 ShareGPT prompts, first 32 greedy tokens, against the fp32 cache):
-#   int8: exact match 64-66%, mean |delta logprob| 0.017-0.018 nats (max ~0.2);
+#   int8: exact match 71.9%, mean |delta logprob| 0.019 nats (max 0.29), prompt attention reading
+#   the int8 cache too (64-66% and 0.017-0.018 when prompts attended their own unquantised K/V);
 #   fp8 (e4m3, torch path, the Triton kernels' quantiser): exact 32.8%, mean 0.037 nats (max 0.68).
 # Each bound is ~3x the measured mean: noise passes, a broken scale (whole nats) fails.
 @pytest.mark.parametrize("kv_dtype,max_mean,min_exact", [("int8", 0.05, 0.4), ("fp8", 0.11, 0.2)])
