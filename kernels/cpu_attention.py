@@ -8,6 +8,7 @@ Where no C++ compiler is at hand, `available()` is False and the engine keeps th
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -123,22 +124,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return (ox, lse) if with_lse else ox
 
 
-_fast_cache: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _fast(heads: int, kv_heads: int, head_dim: int) -> bool:
-    key = (heads, kv_heads, head_dim)
-    if key not in _fast_cache:
-        _fast_cache[key] = bool(torch.ops.batchgen_cpu.has_fast_path(heads, kv_heads, head_dim))
-    return _fast_cache[key]
+    return bool(torch.ops.batchgen_cpu.has_fast_path(heads, kv_heads, head_dim))
 
 
+@functools.lru_cache(maxsize=None)
 def has_prefill_path(heads: int, kv_heads: int, head_dim: int) -> bool:
     """Whether paged_prefill runs here for this shape (it needs AVX-512 and head_dim % 16 == 0)."""
-    key = ("prefill", heads, kv_heads, head_dim)
-    if key not in _fast_cache:
-        _fast_cache[key] = bool(torch.ops.batchgen_cpu.has_prefill_path(heads, kv_heads, head_dim))
-    return _fast_cache[key]
+    return bool(torch.ops.batchgen_cpu.has_prefill_path(heads, kv_heads, head_dim))
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -160,22 +154,28 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
+def _reference_kv(k_cache, v_cache, table, pos, group, k_scale, v_scale):
+    """K and V (fp32, dequantised, repeated for each query head of a group) at positions `pos` of
+    one block table: [len(pos), kv_heads * group, dim] each."""
+    nb, bs, kvh, d = k_cache.shape
+    slots = table[pos // bs] * bs + pos % bs
+    k = k_cache.reshape(nb * bs, kvh, d)[slots].float()
+    v = v_cache.reshape(nb * bs, kvh, d)[slots].float()
+    if k_scale is not None:
+        k = k * k_scale.reshape(nb * bs, kvh)[slots][..., None]
+        v = v * v_scale.reshape(nb * bs, kvh)[slots][..., None]
+    return k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+
+
 def paged_prefill_reference(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale, window=0,
                             k_scale=None, v_scale=None):
     """Plain torch, fp32 math."""
-    nb, bs, kvh, d = k_cache.shape
-    group = q.shape[1] // kvh
+    group = q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q)
     for p in range(block_tables.shape[0]):
         a, b, s = int(cu_seqlens[p]), int(cu_seqlens[p + 1]), int(start_pos[p])
         pos = torch.arange(s + b - a)
-        slots = block_tables[p, pos // bs] * bs + pos % bs
-        k = k_cache.reshape(nb * bs, kvh, d)[slots].float()
-        v = v_cache.reshape(nb * bs, kvh, d)[slots].float()
-        if k_scale is not None:
-            k = k * k_scale.reshape(nb * bs, kvh)[slots][..., None]
-            v = v * v_scale.reshape(nb * bs, kvh)[slots][..., None]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        k, v = _reference_kv(k_cache, v_cache, block_tables[p], pos, group, k_scale, v_scale)
         qpos = torch.arange(s, s + b - a)[:, None]
         mask = pos[None, :] <= qpos
         if window:
@@ -188,19 +188,12 @@ def paged_prefill_reference(q, k_cache, v_cache, block_tables, cu_seqlens, start
 
 def paged_decode_reference(q, k_cache, v_cache, block_tables, lo, hi, scale, k_scale=None, v_scale=None):
     """Plain torch, fp32 math: (out, lse)."""
-    nb, bs, kvh, d = k_cache.shape
-    group = q.shape[1] // kvh
+    group = q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32)
     for i in range(q.shape[0]):
         pos = torch.arange(int(lo[i]), int(hi[i]))
-        slots = block_tables[i, pos // bs] * bs + pos % bs
-        k = k_cache.reshape(nb * bs, kvh, d)[slots].float()
-        v = v_cache.reshape(nb * bs, kvh, d)[slots].float()
-        if k_scale is not None:
-            k = k * k_scale.reshape(nb * bs, kvh)[slots][..., None]
-            v = v * v_scale.reshape(nb * bs, kvh)[slots][..., None]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        k, v = _reference_kv(k_cache, v_cache, block_tables[i], pos, group, k_scale, v_scale)
         s = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
         lse[i] = torch.logsumexp(s, -1)
         out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)

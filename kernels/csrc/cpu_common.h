@@ -2,6 +2,7 @@
 // bfloat16 and fp32, AVX-512 loads of 16 values as fp32, and the walk over a block table.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -91,5 +92,30 @@ inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 #endif
+
+// The arguments the attention ops share: q [n, heads, dim] in float32 or bfloat16 with contiguous
+// heads (rows may be strided), out contiguous and like q, the caches contiguous
+// [blocks, block_size, kv_heads, dim] in float32, bfloat16 or int8, and an int8 cache's scales.
+inline void check_attention_args(const char* op, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const c10::optional<at::Tensor>& k_scale,
+                                 const c10::optional<at::Tensor>& v_scale) {
+  TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+                  q.stride(2) == 1 && q.stride(1) == q.size(2),
+              op, ": q must be float32 or bfloat16 [n, heads, dim] with contiguous heads (rows may be strided)");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), op,
+              ": out must be contiguous, shaped and typed like q");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == q.size(2) &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              op, ": caches must be contiguous [blocks, block_size, kv_heads, dim] matching q");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16 || int8, op,
+              ": the cache must be float32, bfloat16 or int8");
+  if (int8)
+    TORCH_CHECK(k_scale.has_value() && v_scale.has_value() && k_scale->is_contiguous() && v_scale->is_contiguous() &&
+                    k_scale->scalar_type() == at::kFloat && v_scale->scalar_type() == at::kFloat &&
+                    k_scale->numel() * q.size(2) == k_cache.numel() && v_scale->numel() * q.size(2) == v_cache.numel(),
+                op, ": an int8 cache needs contiguous float32 scales [blocks, block_size, kv_heads]");
+}
 
 }  // namespace batchgen_cpu

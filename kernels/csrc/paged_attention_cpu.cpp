@@ -274,10 +274,7 @@ bool decode_fast(void* out_v, float* lse, const void* q_v, int64_t q_stride, boo
   }
   at::parallel_for(0, nt, 1, [&](int64_t tb, int64_t te) {
     const int64_t begin = bounds[tb], end = bounds[te];
-    // Flush denormals to zero (FTZ|DAZ) meanwhile: peaked softmaxes make tiny probabilities,
-    // and each denormal operand costs a microcode assist.
-    const unsigned csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040);
+    FlushDenormals ftz;  // peaked softmaxes make tiny probabilities
     const int64_t hd = heads * d;
     std::vector<float> scores, acc(hd), qbuf(bf16_io ? hd : 0), obuf(bf16_io ? hd : 0);
     for (int64_t s = begin; s < end; ++s) {
@@ -302,7 +299,6 @@ bool decode_fast(void* out_v, float* lse, const void* q_v, int64_t q_stride, boo
         for (int64_t i = 0; i < hd; ++i) ob[i] = c10::BFloat16(o[i]);
       }
     }
-    _mm_setcsr(csr);
   });
   return true;
 }
@@ -322,16 +318,7 @@ void paged_decode(at::Tensor out, c10::optional<at::Tensor> lse, at::Tensor q, a
                   at::Tensor v_cache, c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale,
                   at::Tensor block_tables, at::Tensor lo, at::Tensor hi, double scale_d) {
   const bool bf16_io = q.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) &&
-                  (q.scalar_type() == at::kFloat || bf16_io),
-              "paged_decode: q must be float32 or bfloat16 [n, heads, dim] with contiguous heads (rows may be "
-              "strided)");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
-              "paged_decode: out must be contiguous, shaped and typed like q");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == q.size(2) &&
-                  k_cache.scalar_type() == v_cache.scalar_type(),
-              "paged_decode: caches must be contiguous [blocks, block_size, kv_heads, dim] matching q");
+  check_attention_args("paged_decode", out, q, k_cache, v_cache, k_scale, v_scale);
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_decode: heads must be a multiple of kv_heads");
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
                   block_tables.size(0) == q.size(0),
@@ -342,13 +329,6 @@ void paged_decode(at::Tensor out, c10::optional<at::Tensor> lse, at::Tensor q, a
   if (lse.has_value())
     TORCH_CHECK(lse->is_contiguous() && lse->scalar_type() == at::kFloat && lse->numel() == q.size(0) * q.size(1),
                 "paged_decode: lse must be contiguous float32 [n, heads]");
-  const bool int8 = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16 || int8,
-              "paged_decode: the cache must be float32, bfloat16 or int8");
-  if (int8)
-    TORCH_CHECK(k_scale.has_value() && v_scale.has_value() && k_scale->is_contiguous() && v_scale->is_contiguous() &&
-                    k_scale->scalar_type() == at::kFloat && k_scale->numel() * q.size(2) == k_cache.numel(),
-                "paged_decode: an int8 cache needs contiguous float32 scales [blocks, block_size, kv_heads]");
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t bs = k_cache.size(1), kvh = k_cache.size(2), width = block_tables.size(1);
   float* lse_p = lse.has_value() ? lse->data_ptr<float>() : nullptr;

@@ -344,8 +344,7 @@ void prefill_run(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT*
     while (t < nt && acc * nt >= total * t) bounds[t++] = i + 1;
   }
   at::parallel_for(0, nt, 1, [&](int64_t tb, int64_t te) {
-    const unsigned csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040);  // FTZ|DAZ: tiny probabilities would each cost a microcode assist
+    FlushDenormals ftz;  // tiny probabilities would each cost a microcode assist
     Buffers b(TQ * (heads / kvh) + 8, d);
     for (int64_t i = bounds[tb]; i < bounds[te]; ++i) {
       const Item& it = items[i];
@@ -353,7 +352,6 @@ void prefill_run(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT*
       prefill_item(out, q, q_stride, kc, vc, ks, vs, tables + it.seq * width, cu[it.seq] + it.t0,
                    start[it.seq] + it.t0, nq, it.head, heads, kvh, d, bs, window, scale, b);
     }
-    _mm_setcsr(csr);
   });
 }
 
@@ -368,14 +366,7 @@ void paged_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor 
                    c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale, at::Tensor block_tables,
                    at::Tensor cu_seqlens, at::Tensor start_pos, int64_t window, double scale_d) {
   const bool bf16 = q.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == at::kFloat || bf16) && q.stride(2) == 1 && q.stride(1) == q.size(2),
-              "paged_prefill: q must be float32 or bfloat16 [n, heads, dim] with contiguous heads (rows may be strided)");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
-              "paged_prefill: out must be contiguous, shaped and typed like q");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == q.size(2) &&
-                  k_cache.scalar_type() == v_cache.scalar_type(),
-              "paged_prefill: caches must be contiguous [blocks, block_size, kv_heads, dim] matching q");
+  check_attention_args("paged_prefill", out, q, k_cache, v_cache, k_scale, v_scale);
   const int64_t heads = q.size(1), kvh = k_cache.size(2), d = q.size(2), bs = k_cache.size(1);
   TORCH_CHECK(has_prefill_path(heads, kvh, d),
               "paged_prefill: needs AVX-512, head_dim a multiple of 16 and heads a multiple of kv_heads");
@@ -393,14 +384,6 @@ void paged_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor 
     TORCH_CHECK(cu[p + 1] >= cu[p] && st[p] >= 0 && st[p] + cu[p + 1] - cu[p] <= width * bs,
                 "paged_prefill: sequence ", p, " (start ", st[p], ", ", cu[p + 1] - cu[p],
                 " tokens) does not fit its block table (", width, " blocks of ", bs, ")");
-  const bool int8 = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16 || int8,
-              "paged_prefill: the cache must be float32, bfloat16 or int8");
-  if (int8)
-    TORCH_CHECK(k_scale.has_value() && v_scale.has_value() && k_scale->is_contiguous() && v_scale->is_contiguous() &&
-                    k_scale->scalar_type() == at::kFloat && k_scale->numel() * d == k_cache.numel() &&
-                    v_scale->numel() * d == v_cache.numel(),
-                "paged_prefill: an int8 cache needs contiguous float32 scales [blocks, block_size, kv_heads]");
 #ifdef __AVX512F__
   const float scale = static_cast<float>(scale_d);
   const int64_t* tp = block_tables.data_ptr<int64_t>();
