@@ -72,6 +72,27 @@ def test_greedy_matches_transformers_batched(family_model, reference, linear_pat
     e.kv_manager.pool.check_all_free()
 
 
+def test_logits_in_row_chunks_give_the_same_tokens(family_model, reference, monkeypatch):
+    """The fused path computes and samples logits 3 rows at a time here (8 prompts): greedy still
+    equals transformers, and unseeded sampling draws the same run-wide noise stream as one chunk."""
+    from batchgen.runner import model_runner
+
+    _, model = family_model
+    ps, ref = reference
+    sp = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    whole = run(engine(model, seed=7, attention_backend="cpu"), ps, sp)
+    e = engine(model, seed=7, attention_backend="cpu")
+    assert e.model.fused
+    monkeypatch.setattr(model_runner, "LOGITS_CHUNK_BYTES", 3 * e.model.shape.vocab_size * 4)
+    calls = []
+    orig = e.model.logits
+    monkeypatch.setattr(e.model, "logits", lambda h: calls.append(h.shape[0]) or orig(h))
+    _assert_match(run(e, ps), ref)
+    assert calls and max(calls) == 3, calls
+    chunked = run(engine(model, seed=7, attention_backend="cpu"), ps, sp)
+    assert {k: r.token_ids for k, r in chunked.items()} == {k: r.token_ids for k, r in whole.items()}
+
+
 def test_auto_backend_on_cpu_is_the_cpp_op_and_falls_back_to_torch_without_it(family_model, monkeypatch):
     from batchgen.kernels import cpu_attention
 

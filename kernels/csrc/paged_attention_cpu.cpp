@@ -141,14 +141,15 @@ inline __m256 transpose_sum8(const __m512* a) {
 template <int G, int ND, typename KT>
 void decode_seq_avx512(float* o, float* lse, const float* q, const KT* kc, const KT* vc, const float* ks,
                        const float* vs, const int64_t* table, int64_t lo, int64_t hi, int64_t kvh, int64_t bs,
-                       float scale, float* scores, float* acc_mem) {
+                       float scale, float* scores, float* acc_mem, const KT* next_k) {
   constexpr int D = ND * 16;
   const int64_t len = hi - lo;
   const int64_t row = kvh * D;
   const __m512 vscale = _mm512_set1_ps(scale);
   // Scores: one pass over K. scores[(h * G + g) * len + (t - lo)]. The next block's rows are
   // prefetched a row at a time, a block ahead, spread over this block's work (a burst of a whole
-  // block's lines overflowed the miss queues).
+  // block's lines overflowed the miss queues). The last block prefetches V's first block, and
+  // the V pass's last block the next sequence's first K block (next_k), so no pass starts cold.
   walk_blocks(table, lo, hi, bs, [&](int64_t slot0, int64_t cnt, int64_t at, int64_t nxt) {
     for (int64_t h = 0; h < kvh; ++h) {
       __m512 qv[G][ND];
@@ -156,7 +157,7 @@ void decode_seq_avx512(float* o, float* lse, const float* q, const KT* kc, const
         for (int j = 0; j < ND; ++j)
           qv[g][j] = _mm512_mul_ps(_mm512_loadu_ps(q + (h * G + g) * D + j * 16), vscale);
       float* sc = scores + h * G * len + at;
-      const KT* next = nxt >= 0 ? kc + nxt * bs * row + h * D : nullptr;
+      const KT* next = nxt >= 0 ? kc + nxt * bs * row + h * D : vc + table[lo / bs] * bs * row + h * D;
       for (int64_t i0 = 0; i0 < cnt; i0 += 8) {
         const int64_t n8 = std::min<int64_t>(8, cnt - i0);
         __m512 acc[G][8];
@@ -195,7 +196,7 @@ void decode_seq_avx512(float* o, float* lse, const float* q, const KT* kc, const
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < ND; ++j) acc[g][j] = _mm512_loadu_ps(am + g * D + j * 16);
       const float* pr = scores + h * G * len + at;
-      const KT* next = nxt >= 0 ? vc + nxt * bs * row + h * D : nullptr;
+      const KT* next = nxt >= 0 ? vc + nxt * bs * row + h * D : (next_k ? next_k + h * D : nullptr);
       for (int64_t i = 0; i < cnt; ++i) {
         const int64_t slot = slot0 + i;
         const KT* vp = vc + slot * row + h * D;
@@ -216,14 +217,14 @@ void decode_seq_avx512(float* o, float* lse, const float* q, const KT* kc, const
 }
 
 using SeqFn = void (*)(float*, float*, const float*, const void*, const void*, const float*, const float*,
-                       const int64_t*, int64_t, int64_t, int64_t, int64_t, float, float*, float*);
+                       const int64_t*, int64_t, int64_t, int64_t, int64_t, float, float*, float*, const void*);
 
 template <int G, int ND, typename KT>
 void seq_thunk(float* o, float* lse, const float* q, const void* kc, const void* vc, const float* ks, const float* vs,
                const int64_t* table, int64_t lo, int64_t hi, int64_t kvh, int64_t bs, float scale, float* scores,
-               float* acc) {
+               float* acc, const void* next_k) {
   decode_seq_avx512<G, ND, KT>(o, lse, q, static_cast<const KT*>(kc), static_cast<const KT*>(vc), ks, vs, table, lo,
-                               hi, kvh, bs, scale, scores, acc);
+                               hi, kvh, bs, scale, scores, acc, static_cast<const KT*>(next_k));
 }
 
 template <int ND, typename KT>
@@ -292,7 +293,9 @@ bool decode_fast(void* out_v, float* lse, const void* q_v, int64_t q_stride, boo
         if (l) std::fill(l, l + heads, -1e30f);
       } else {
         scores.resize(heads * (hi - lo));
-        fn(o, l, qs, kc, vc, ks, vs, tables + s * width, lo, hi, kvh, bs, scale, scores.data(), acc.data());
+        const KT* next_k = s + 1 < end && hi_p[s + 1] > lo_p[s + 1]
+                               ? kc + tables[(s + 1) * width + lo_p[s + 1] / bs] * bs * kvh * d : nullptr;
+        fn(o, l, qs, kc, vc, ks, vs, tables + s * width, lo, hi, kvh, bs, scale, scores.data(), acc.data(), next_k);
       }
       if (bf16_io) {
         c10::BFloat16* ob = static_cast<c10::BFloat16*>(out_v) + s * hd;

@@ -12,6 +12,12 @@ from .block_pool import Block, BlockPool, hash_block
 from .request import Request
 
 
+# Most blocks a new sequence reserves beyond what it needs now (its expected growth).
+RUN_SLACK = 128
+# Prefix-cache hit rate (of prompt tokens) above which runs leave cached blocks alone.
+RUN_EVICT_MAX_HIT_RATE = 0.01
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -49,6 +55,8 @@ class KVCacheManager:
         self._blocks: dict[str, list[Block | None]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._swapped: dict[str, list[Block]] = {}
+        # Per request: its reserved run of blocks [start, end) for growth (see BlockPool).
+        self._runs: dict[str, tuple[int, int]] = {}
         # This step's copies, (device block, CPU block) and (CPU block, device block).
         self._to_cpu: list[tuple[int, int]] = []
         self._to_device: list[tuple[int, int]] = []
@@ -145,7 +153,7 @@ class KVCacheManager:
         self.pool.touch(hit.device)
         blocks = self._blocks.setdefault(req.request_id, [])
         blocks.extend(hit.device)
-        new = self.pool.allocate(need) if need > 0 else []
+        new = self._allocate_new(req, blocks, need, first=not held) if need > 0 else []
         blocks.extend(new)
         sources = swapped or hit.cpu
         for src, dst in zip(sources, new):
@@ -158,6 +166,40 @@ class KVCacheManager:
             for src, dst in zip(hit.cpu, new):
                 self.pool.cache(dst, src.block_hash)
         return self.block_ids(req.request_id)
+
+    def _allocate_new(self, req: Request, blocks: list[Block | None], need: int, first: bool) -> list[Block]:
+        """need more blocks for req, after `blocks` (its table so far), at consecutive addresses
+        where the pool allows: its first allocation starts a run sized for its whole length
+        (prompt + max_tokens, at most RUN_SLACK blocks beyond this need), later ones grow into
+        it; where the next block is taken, they fall back to the free queue's order."""
+        rid = req.request_id
+        if first:
+            self._release_run(req)
+            total = min(self.blocks_needed(req.num_prompt_tokens + req.sampling.max_tokens) - len(blocks),
+                        need + RUN_SLACK)
+            # Runs may evict cached prefix blocks out of LRU order only while the cache is not
+            # paying off; a job whose prompts share prefixes keeps its LRU eviction.
+            evict = self.prefix_hit_rate() < RUN_EVICT_MAX_HIT_RATE
+            run = self.pool.allocate_run(need, total, evict) if total > need else None
+            if run is not None:
+                self._runs[rid] = (run[0].block_id, run[0].block_id + total)
+                return run
+            run = self.pool.allocate_run(need, need, evict)
+            return run if run is not None else self.pool.allocate(need)
+        reserved_below = self._runs.get(rid, (0, 0))[1]
+        prev = blocks[-1].block_id if blocks and blocks[-1] is not None else -2
+        out = []
+        for _ in range(need):
+            block = self.pool.take_next(prev, reserved_below) if prev >= 0 else None
+            block = block or self.pool.allocate(1)[0]
+            out.append(block)
+            prev = block.block_id
+        return out
+
+    def _release_run(self, req: Request) -> None:
+        run = self._runs.pop(req.request_id, None)
+        if run is not None:
+            self.pool.release(*run)
 
     def cache_blocks(self, req: Request) -> None:
         """Publish the request's blocks that are now full of computed tokens."""
@@ -198,6 +240,7 @@ class KVCacheManager:
         self._swapped[req.request_id] = cpu_blocks
         self.tier.swapped_out_blocks += len(blocks)
         self.pool.free(list(reversed(blocks)))
+        self._release_run(req)
 
     def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """This step's copies: (device->CPU pairs, CPU->device pairs); run in that order."""
@@ -214,6 +257,7 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         blocks = self._blocks.pop(req.request_id, [])
         self.pool.free([b for b in reversed(blocks) if b is not None])
+        self._release_run(req)
         swapped = self._swapped.pop(req.request_id, None)
         if swapped:
             self.cpu_pool.free(swapped)

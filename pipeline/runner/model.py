@@ -125,11 +125,15 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sample_idx: torch.Tensor) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sample_idx: torch.Tensor,
+                logits: bool = True) -> torch.Tensor:
         """input_ids/positions [num_tokens] -> logits [num_sampled, vocab] (fp32; the model dtype
-        on the fused path, where the sampler converts them)."""
+        on the fused path, where the sampler converts them). With logits=False (fused path only)
+        it stops at the final norm's output [num_sampled, hidden]: `logits()` of row chunks."""
         if self.fused:
-            return self._forward_fused(input_ids, positions, meta, kv_caches, sample_idx)
+            h = self._forward_fused(input_ids, positions, meta, kv_caches, sample_idx)
+            return self.logits(h) if logits else h
+        assert logits, "row-chunked logits are for the fused path"
         s = self.shape
         n = input_ids.shape[0]
         q_size = s.num_heads * s.head_dim
@@ -184,4 +188,8 @@ class CausalLM:
             else:
                 h += down
         h = h[sample_idx].contiguous()
-        return self.lm_head(ops.add_rms_norm(h, None, self.norm, s.rms_eps))
+        return ops.add_rms_norm(h, None, self.norm, s.rms_eps)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-norm outputs [rows, hidden] -> logits [rows, vocab] (fused path)."""
+        return self.lm_head(h)

@@ -23,6 +23,14 @@ def kv_bytes_per_token_head(dtype: torch.dtype, head_dim: int) -> int:
 _HUGE = 2 << 20
 
 
+# Most logits computed at once on the fused CPU path, in bytes: more rows are split into
+# chunks, each sampled before the next is computed. 256 x 49k fp32 logits (50 MB) overflow the
+# 32 MiB L3 cache: the GEMM writing them ran at ~175 GFLOP/s, 2 x 128 rows at ~206, and the
+# argmax then reads them from cache. bf16 logits of 256 rows fit and gain nothing from chunks
+# (examples/bench_logits.py).
+LOGITS_CHUNK_BYTES = 24 << 20
+
+
 def host_zeros(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed host tensor whose memory is asked for 2 MiB pages (madvise MADV_HUGEPAGE) before
     its first touch. Decode reads each sequence's blocks at scattered addresses of a multi-GiB
@@ -118,8 +126,18 @@ class ModelRunner:
         if not sampled_seqs:
             self.model.forward(input_ids, positions, meta, self.kv.layers, self._dev(torch.empty(0, dtype=torch.long)))
             return RunnerOutput()
-        logits = self.model.forward(input_ids, positions, meta, self.kv.layers, sample_rows[0])
-        tokens = self.sampler(logits, sampled_seqs)
+        n = len(sampled_seqs)
+        rows = max(1, LOGITS_CHUNK_BYTES // (self.model.shape.vocab_size * self.model.dtype.itemsize))
+        if self.model.fused and n > rows:
+            # The lm_head and sampler by row chunks of at most LOGITS_CHUNK_BYTES of logits.
+            h = self.model.forward(input_ids, positions, meta, self.kv.layers, sample_rows[0], logits=False)
+            size = -(-n // -(-n // rows))
+            tokens = []
+            for a in range(0, n, size):
+                tokens += self.sampler(self.model.logits(h[a : a + size]), sampled_seqs[a : a + size])
+        else:
+            logits = self.model.forward(input_ids, positions, meta, self.kv.layers, sample_rows[0])
+            tokens = self.sampler(logits, sampled_seqs)
         return RunnerOutput({s.request_id: t for s, t in zip(sampled_seqs, tokens)})
 
     def _prepare(self, seqs: list[ScheduledSeq], groups=()):
