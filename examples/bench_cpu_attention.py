@@ -5,7 +5,8 @@
 Prefill: whole prompts of SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64) through the
 op (K/V read from a paged cache) and through per-sequence causal SDPA (the torch path), in fp32
 and bf16; GFLOP/s count the causal half, 4 * n^2 / 2 * heads * head_dim per sequence.
-Decode: 256 decodes over 50-1,200-token contexts, op against the torch path's padded buckets.
+Decode: 256 decodes over 50-1,200-token contexts, op against the torch path's padded buckets,
+with blocks scattered over the cache and with each sequence's blocks consecutive.
 Medians of --reps calls; ratios are torch time / op time.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from batchgen.kernels import cpu_attention as ca
 from batchgen.runner.attention import DecodeBucket, _decode_batched, _sdpa_one, decode_buckets
+from batchgen.runner.model_runner import host_zeros
 
 HEADS, KVH, D, BS = 9, 3, 64, 16
 
@@ -33,13 +35,25 @@ def median_ms(fn, reps: int) -> float:
     return statistics.median(ts) * 1e3
 
 
-def paged(lens: list[int], dtype: torch.dtype, g: torch.Generator):
-    """K/V caches holding each sequence's positions [0, len) in shuffled blocks, and the tables."""
+def paged(lens: list[int], dtype: torch.dtype, g: torch.Generator, consecutive: bool = False):
+    """K/V caches holding each sequence's positions [0, len) in shuffled blocks (with consecutive,
+    each sequence's blocks in a row, as the engine's runs place them), and the tables. The caches
+    are on 2 MiB pages where the kernel allows, as the engine's are."""
     blocks = [-(-n // BS) for n in lens]
     nb = sum(blocks) + 1
-    kc = torch.randn(nb, BS, KVH, D, generator=g).to(dtype)
-    vc = torch.randn(nb, BS, KVH, D, generator=g).to(dtype)
-    perm = torch.randperm(nb, generator=g)
+    kc = host_zeros((nb, BS, KVH, D), dtype)
+    vc = host_zeros((nb, BS, KVH, D), dtype)
+    kc.copy_(torch.randn(nb, BS, KVH, D, generator=g))
+    vc.copy_(torch.randn(nb, BS, KVH, D, generator=g))
+    if consecutive:  # sequences in shuffled order, each one's blocks in a row
+        order = torch.randperm(len(lens), generator=g).tolist()
+        starts, c = {}, 0
+        for i in order:
+            starts[i] = c
+            c += blocks[i]
+        perm = torch.cat([torch.arange(starts[i], starts[i] + b) for i, b in enumerate(blocks)])
+    else:
+        perm = torch.randperm(nb, generator=g)
     tables = torch.zeros(len(lens), max(blocks), dtype=torch.long)
     c = 0
     for i, b in enumerate(blocks):
@@ -81,8 +95,11 @@ def bench_decode(reps: int) -> None:
     g = torch.Generator().manual_seed(1)
     lens = torch.randint(50, 1200, (256,), generator=g).sort().values
     print("decode (256 sequences, 50-1,200 tokens)  dtype     torch ms   op ms   torch/op   op GB/s of KV")
-    for dtype in (torch.float32, torch.bfloat16):
-        kc, vc, tables = paged(lens.tolist(), dtype, g)
+    for dtype, consecutive in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
+                               (torch.bfloat16, True)):
+        if consecutive and dtype == torch.float32:
+            print("decode, each sequence's blocks consecutive (the engine's runs)")
+        kc, vc, tables = paged(lens.tolist(), dtype, g, consecutive)
         q = torch.randn(len(lens), HEADS, D, generator=g).to(dtype)
         lo = torch.zeros_like(lens)
         blocks = ((lens + BS - 1) // BS).tolist()

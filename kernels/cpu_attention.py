@@ -233,3 +233,18 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.long)
     torch.ops.batchgen_cpu.argmax_rows(out, x)
     return out
+
+
+# Error bound of bf16 logits (see argmax_verified): the two input roundings (2 x 2^-8 relative)
+# plus fp32 accumulation, with margin, times |h| |w_t|; and the bf16 output rounding, times |logit|.
+_C_REL = 1.02 * 2.0 ** -7
+_C_OUT = 1.01 * 2.0 ** -8
+
+
+def argmax_verified(approx: torch.Tensor, h: torch.Tensor, w: torch.Tensor, wnorm: torch.Tensor) -> torch.Tensor:
+    """argmax over vocab of the fp32 logits h @ w.T [n, vocab], given approx, the bf16 logits of
+    h.bfloat16() @ w.bfloat16().T (fp32 accumulation): only tokens that the error bound leaves in
+    reach of the largest get an fp32 dot product. wnorm [vocab] holds the rows' L2 norms, rounded up."""
+    out = torch.empty(h.shape[0], dtype=torch.long)
+    torch.ops.batchgen_cpu.argmax_verified(out, approx, h, w, wnorm, _C_REL, _C_OUT)
+    return out

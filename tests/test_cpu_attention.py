@@ -256,3 +256,30 @@ def test_argmax_rows_matches_torch_including_ties(dtype):
     x[4, :] = -3.0  # all equal
     assert torch.equal(ca.argmax_rows(x), x.float().argmax(-1))
     assert ca.argmax_rows(x)[2] == 5000 and ca.argmax_rows(x)[3] == 17 and ca.argmax_rows(x)[4] == 0
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 37])
+def test_argmax_verified_is_the_fp32_argmax_where_bf16_logits_pick_wrong(vocab):
+    """Greedy tokens from bf16 logits plus fp32 checks equal the fp64 argmax of the true logits,
+    also on rows built so that the bf16 logits' own argmax is a different token."""
+    from batchgen.runner.linear import Linear, onednn_available
+
+    g = torch.Generator().manual_seed(vocab)
+    d = 64
+    w = torch.randn(vocab, d, generator=g)
+    h = torch.randn(24, d, generator=g) * 4
+    # Rows 0-11: tokens a < b lead all others with logits ~200 (others ~N(0, 32^2)), 1e-3 to 1.2e-2
+    # apart, where bf16 resolves steps of 1: on the odd rows the later one, b, is the true argmax.
+    for r in range(12):
+        a, b = (r * 7) % vocab, (r * 7 + 3) % vocab
+        u = h[r] / h[r].norm() ** 2
+        w[a] = 200 * u
+        w[b] = w[a] + (1e-3 * (r + 1)) * u * (1 if r % 2 else -1)
+    true = (h.double() @ w.double().T).argmax(1)
+    wb = w.to(torch.bfloat16)
+    approx = (Linear(wb, None, "onednn")(h.to(torch.bfloat16)) if onednn_available()
+              else (h.to(torch.bfloat16).float() @ wb.float().T).to(torch.bfloat16))
+    wnorm = (w.double().norm(dim=1) * (1 + 1e-6)).float()
+    got = ca.argmax_verified(approx, h, w, wnorm)
+    assert got.tolist() == true.tolist()
+    assert (approx.float().argmax(1) != true).any(), "the test needs rows where bf16 alone picks wrong"

@@ -73,8 +73,9 @@ def test_greedy_matches_transformers_batched(family_model, reference, linear_pat
 
 
 def test_logits_in_row_chunks_give_the_same_tokens(family_model, reference, monkeypatch):
-    """The fused path computes and samples logits 3 rows at a time here (8 prompts): greedy still
-    equals transformers, and unseeded sampling draws the same run-wide noise stream as one chunk."""
+    """The fused fp32 path takes greedy tokens from bf16 logits verified in fp32, 3 rows at a time
+    here (8 prompts), and samples fp32 logits a row at a time: greedy still equals transformers,
+    and unseeded sampling draws the same run-wide noise stream as in one chunk."""
     from batchgen.runner import model_runner
 
     _, model = family_model
@@ -82,14 +83,21 @@ def test_logits_in_row_chunks_give_the_same_tokens(family_model, reference, monk
     sp = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
     whole = run(engine(model, seed=7, attention_backend="cpu"), ps, sp)
     e = engine(model, seed=7, attention_backend="cpu")
-    assert e.model.fused
-    monkeypatch.setattr(model_runner, "LOGITS_CHUNK_BYTES", 3 * e.model.shape.vocab_size * 4)
-    calls = []
-    orig = e.model.logits
-    monkeypatch.setattr(e.model, "logits", lambda h: calls.append(h.shape[0]) or orig(h))
+    assert e.model.fused and e.model.verified_greedy
+    monkeypatch.setattr(model_runner, "LOGITS_CHUNK_BYTES", 3 * e.model.shape.vocab_size * 2)
+    calls = {"greedy": [], "logits": []}
+    for name in ("greedy_tokens", "logits"):
+        orig = getattr(e.model, name)
+        monkeypatch.setattr(e.model, name, lambda h, orig=orig, name=name: calls[name.split("_")[0]].append(h.shape[0])
+                            or orig(h))
     _assert_match(run(e, ps), ref)
-    assert calls and max(calls) == 3, calls
-    chunked = run(engine(model, seed=7, attention_backend="cpu"), ps, sp)
+    assert calls["greedy"] and max(calls["greedy"]) == 3 and not calls["logits"], calls
+    e2 = engine(model, seed=7, attention_backend="cpu")  # a fresh one: e's prefix cache would change the steps
+    calls["logits"] = []
+    orig_logits = e2.model.logits
+    monkeypatch.setattr(e2.model, "logits", lambda h: calls["logits"].append(h.shape[0]) or orig_logits(h))
+    chunked = run(e2, ps, sp)
+    assert calls["logits"] and max(calls["logits"]) == 1, calls
     assert {k: r.token_ids for k, r in chunked.items()} == {k: r.token_ids for k, r in whole.items()}
 
 

@@ -176,6 +176,79 @@ void argmax_rows_impl(int64_t* out, const T* x, int64_t n, int64_t v, int64_t st
   });
 }
 
+// Greedy tokens of fp32 logits from bf16 ones: approx [n, v] are logits of the bf16-rounded
+// hidden rows h and weight rows w (fp32 accumulation, bf16 output). Each true logit z_t lies
+// within e_t = c_rel * |h| * |w_t| + c_out * |approx_t| of approx_t (the bound of the two input
+// roundings, the accumulation and the output rounding), so the largest z_t is among the tokens
+// whose approx_t + e_t reaches max_s(approx_s - e_s). Only those get an fp32 dot product with
+// h (there were ~6 on average, at most 126, on ShareGPT). Ties go to the first index.
+void argmax_verified_impl(int64_t* out, const c10::BFloat16* approx, int64_t a_stride, const float* h, int64_t h_stride,
+                          const float* w, const float* wnorm, int64_t n, int64_t v, int64_t d, float c_rel,
+                          float c_out) {
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    FlushDenormals ftz;
+    for (int64_t r = b; r < e; ++r) {
+      const float* hr = h + r * h_stride;
+      float hn = 0.f;
+#pragma omp simd reduction(+ : hn)
+      for (int64_t i = 0; i < d; ++i) hn += hr[i] * hr[i];
+      const float k = c_rel * std::sqrt(hn) * 1.0001f;  // |h| rounded up
+      const c10::BFloat16* ar = approx + r * a_stride;
+      float best = -INFINITY;
+      int64_t arg = -1;
+      auto refine = [&](int64_t t) {
+        const float* wr = w + t * d;
+        float z = 0.f;
+#pragma omp simd reduction(+ : z)
+        for (int64_t i = 0; i < d; ++i) z += hr[i] * wr[i];
+        if (arg < 0 || z > best) {
+          best = z;
+          arg = t;
+        }
+      };
+#ifdef __AVX512F__
+      // Two passes over the bf16 row, 16 tokens at a time: the lower bound, then the candidates.
+      const int64_t v16 = v / 16 * 16;
+      const __m512 vk = _mm512_set1_ps(k), vc = _mm512_set1_ps(c_out);
+      __m512 vlow = _mm512_set1_ps(-INFINITY);
+      for (int64_t t = 0; t < v16; t += 16) {
+        const __m512 at = load16(ar + t);
+        const __m512 err = _mm512_fmadd_ps(vk, _mm512_loadu_ps(wnorm + t), _mm512_mul_ps(vc, _mm512_abs_ps(at)));
+        vlow = _mm512_max_ps(vlow, _mm512_sub_ps(at, err));
+      }
+      float lower = _mm512_reduce_max_ps(vlow);
+      for (int64_t t = v16; t < v; ++t) {
+        const float at = to_f(ar[t]);
+        lower = std::max(lower, at - (k * wnorm[t] + c_out * std::fabs(at)));
+      }
+      const __m512 vl = _mm512_set1_ps(lower);
+      for (int64_t t = 0; t < v16; t += 16) {
+        const __m512 at = load16(ar + t);
+        const __m512 up = _mm512_add_ps(at, _mm512_fmadd_ps(vk, _mm512_loadu_ps(wnorm + t), _mm512_mul_ps(vc, _mm512_abs_ps(at))));
+        for (unsigned m = _mm512_cmp_ps_mask(up, vl, _CMP_GE_OQ); m; m &= m - 1) refine(t + __builtin_ctz(m));
+      }
+      for (int64_t t = v16; t < v; ++t) {
+        const float at = to_f(ar[t]);
+        if (at + (k * wnorm[t] + c_out * std::fabs(at)) >= lower) refine(t);
+      }
+#else
+      float lower = -INFINITY;
+      for (int64_t t = 0; t < v; ++t) {
+        const float at = to_f(ar[t]);
+        lower = std::max(lower, at - (k * wnorm[t] + c_out * std::fabs(at)));
+      }
+      for (int64_t t = 0; t < v; ++t) {
+        const float at = to_f(ar[t]);
+        if (at + (k * wnorm[t] + c_out * std::fabs(at)) >= lower) refine(t);
+      }
+#endif
+      if (arg < 0)  // no candidate: only where the logits hold NaN; refine them all
+        for (int64_t t = 0; t < v; ++t) refine(t);
+      out[r] = arg;
+    }
+  });
+}
+
 void check_2d(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
 }
@@ -282,9 +355,28 @@ void argmax_rows(at::Tensor out, at::Tensor x) {
   }
 }
 
+void argmax_verified(at::Tensor out, at::Tensor approx, at::Tensor h, at::Tensor w, at::Tensor wnorm, double c_rel,
+                     double c_out) {
+  check_2d(approx, "approx");
+  check_2d(h, "h");
+  TORCH_CHECK(approx.scalar_type() == at::kBFloat16 && h.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+                  wnorm.scalar_type() == at::kFloat,
+              "argmax_verified: approx is bfloat16, h, w and wnorm float32");
+  TORCH_CHECK(w.is_contiguous() && w.dim() == 2 && wnorm.is_contiguous() && wnorm.numel() == w.size(0) &&
+                  approx.size(1) == w.size(0) && h.size(1) == w.size(1) && approx.size(0) == h.size(0),
+              "argmax_verified: shapes must be approx [n, vocab], h [n, hidden], w [vocab, hidden], wnorm [vocab]");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kLong && out.numel() == h.size(0),
+              "argmax_verified: out must be contiguous int64 [rows]");
+  argmax_verified_impl(out.data_ptr<int64_t>(), approx.data_ptr<c10::BFloat16>(), approx.stride(0), h.data_ptr<float>(),
+                       h.stride(0), w.data_ptr<float>(), wnorm.data_ptr<float>(), h.size(0), w.size(0), w.size(1),
+                       static_cast<float>(c_rel), static_cast<float>(c_out));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
+  m.def("argmax_verified(Tensor(a!) out, Tensor approx, Tensor h, Tensor w, Tensor wnorm, float c_rel, float c_out) -> ()",
+        &argmax_verified);
   m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()", &argmax_rows);
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) h, Tensor? delta, Tensor weight, float eps) -> ()", &add_rms_norm);
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &rope_);

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from ..engine.outputs import RunnerOutput, ScheduledSeq
+from ..engine.outputs import RunnerOutput, SampledToken, ScheduledSeq
 from .attention import AttentionMetadata, CascadeGroup, DecodeBucket, PrefillSeq, QUANT_DTYPES, QuantCache, decode_buckets
 from .model import CausalLM
 from .sampler import Sampler
@@ -127,14 +127,20 @@ class ModelRunner:
             self.model.forward(input_ids, positions, meta, self.kv.layers, self._dev(torch.empty(0, dtype=torch.long)))
             return RunnerOutput()
         n = len(sampled_seqs)
-        rows = max(1, LOGITS_CHUNK_BYTES // (self.model.shape.vocab_size * self.model.dtype.itemsize))
-        if self.model.fused and n > rows:
+        # Greedy rows without logprobs of an fp32 model: tokens from bf16 logits, verified in fp32.
+        verified = self.model.verified_greedy and all(s.sampling.greedy and not s.sampling.logprobs for s in sampled_seqs)
+        itemsize = 2 if verified else self.model.dtype.itemsize
+        rows = max(1, LOGITS_CHUNK_BYTES // (self.model.shape.vocab_size * itemsize))
+        if self.model.fused and (verified or n > rows):
             # The lm_head and sampler by row chunks of at most LOGITS_CHUNK_BYTES of logits.
             h = self.model.forward(input_ids, positions, meta, self.kv.layers, sample_rows[0], logits=False)
             size = -(-n // -(-n // rows))
             tokens = []
             for a in range(0, n, size):
-                tokens += self.sampler(self.model.logits(h[a : a + size]), sampled_seqs[a : a + size])
+                if verified:
+                    tokens += [SampledToken(t) for t in self.model.greedy_tokens(h[a : a + size]).tolist()]
+                else:
+                    tokens += self.sampler(self.model.logits(h[a : a + size]), sampled_seqs[a : a + size])
         else:
             logits = self.model.forward(input_ids, positions, meta, self.kv.layers, sample_rows[0])
             tokens = self.sampler(logits, sampled_seqs)
