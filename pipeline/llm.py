@@ -15,7 +15,7 @@ from .errors import ConfigError
 from .kernels import cpu_attention
 from .runner.linear import onednn_available
 from .runner.model import CausalLM, ModelShape
-from .runner.model_runner import KVCache, ModelRunner, kv_bytes_per_token_head
+from .runner.model_runner import KVCache, ModelRunner, keep_freed_memory, kv_bytes_per_token_head
 
 log = logging.getLogger("batchgen")
 
@@ -154,6 +154,8 @@ class Engine:
         if linear_path == "auto":
             linear_path = "onednn" if self.device.type == "cpu" and onednn_available() else "plain"
         self.linear_path = linear_path
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.model = CausalLM(hf_model, self.dtype, str(self.device), linear_path)
         shape: ModelShape = self.model.shape
         self.max_model_len = min(cfg.max_model_len or shape.max_position, shape.max_position)

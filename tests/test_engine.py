@@ -347,3 +347,17 @@ def test_host_kv_tensors_are_zeroed_with_or_without_the_hugepage_hint(monkeypatc
     assert not t.any()
     t[-1, -1, -1, -1] = 1.0  # the whole range is writable memory
     assert t.sum().item() == 1.0
+
+
+def test_keep_freed_memory_applies_on_glibc_and_can_be_turned_off(monkeypatch):
+    import platform
+
+    from batchgen.runner.model_runner import keep_freed_memory
+
+    monkeypatch.setenv("BATCHGEN_NO_MALLOPT", "1")
+    assert keep_freed_memory() is False
+    monkeypatch.delenv("BATCHGEN_NO_MALLOPT")
+    if platform.libc_ver()[0] == "glibc":
+        assert keep_freed_memory() is True
+        x = torch.ones(3 << 20, dtype=torch.uint8)  # above glibc's default mmap threshold
+        assert int(x.sum()) == 3 << 20
