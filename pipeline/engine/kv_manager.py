@@ -140,6 +140,7 @@ class KVCacheManager:
         hit = hit or PrefixHit()
         swapped = self._swapped.get(req.request_id, [])
         held = self._blocks.get(req.request_id, [])
+        first = not held  # (held may be the table itself, which grows below)
         num_computed = req.num_computed_tokens + hit.num_blocks * self.block_size
         need = self.blocks_needed(num_computed + num_new_tokens) - len(held) - len(hit.device)
         # Cached blocks taken from the free queue leave it, so they count against free space.
@@ -153,7 +154,7 @@ class KVCacheManager:
         self.pool.touch(hit.device)
         blocks = self._blocks.setdefault(req.request_id, [])
         blocks.extend(hit.device)
-        new = self._allocate_new(req, blocks, need, first=not held) if need > 0 else []
+        new = self._allocate_new(req, blocks, need, first) if need > 0 else []
         blocks.extend(new)
         sources = swapped or hit.cpu
         for src, dst in zip(sources, new):

@@ -54,6 +54,14 @@ class ModelShape:
         return self.num_layers * per_layer
 
 
+def _native_bf16() -> bool:
+    cpu = getattr(torch, "cpu", None)
+    try:
+        return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
+    except AttributeError:  # a torch without the probes
+        return False
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # transformers' LlamaRMSNorm: normalise in fp32, scale in the input dtype.
     dtype = x.dtype
@@ -201,8 +209,10 @@ class CausalLM:
 
     @property
     def verified_greedy(self) -> bool:
-        """Whether greedy_tokens() applies: the fused path of an fp32 model with a oneDNN lm_head."""
-        return self.fused and self.dtype == torch.float32 and self.lm_head.path == "onednn"
+        """Whether greedy_tokens() applies: the fused path of an fp32 model with a oneDNN lm_head,
+        on a CPU with native bf16 dot products (AVX512-BF16 or AMX; elsewhere bf16 is no faster)."""
+        return (self.fused and self.dtype == torch.float32 and self.lm_head.path == "onednn"
+                and _native_bf16())
 
     def greedy_tokens(self, h: torch.Tensor) -> torch.Tensor:
         """argmax of the fp32 logits of final-norm outputs h [rows, hidden], at about the bf16
