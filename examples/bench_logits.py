@@ -11,25 +11,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from bench_cpu_attention import median_ms  # examples/ is on sys.path when run as a script
 
 from batchgen.kernels import cpu_attention as ops
 from batchgen.runner.linear import Linear, onednn_available
 
 HIDDEN, VOCAB = 576, 49152
-
-
-def median_ms(fn, reps: int) -> float:
-    for _ in range(2):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
 
 
 def main() -> None:

@@ -206,42 +206,34 @@ void argmax_verified_impl(int64_t* out, const c10::BFloat16* approx, int64_t a_s
           arg = t;
         }
       };
+      auto err = [&](int64_t t, float at) { return k * wnorm[t] + c_out * std::fabs(at); };
+      // Two passes over the bf16 row, 16 tokens at a time where AVX-512 is compiled in (then
+      // the scalar loops only take the tail): the lower bound, then the candidates.
+      int64_t v16 = 0;
+      float lower = -INFINITY;
 #ifdef __AVX512F__
-      // Two passes over the bf16 row, 16 tokens at a time: the lower bound, then the candidates.
-      const int64_t v16 = v / 16 * 16;
+      v16 = v / 16 * 16;
       const __m512 vk = _mm512_set1_ps(k), vc = _mm512_set1_ps(c_out);
+      auto verr = [&](int64_t t, __m512 at) {
+        return _mm512_fmadd_ps(vk, _mm512_loadu_ps(wnorm + t), _mm512_mul_ps(vc, _mm512_abs_ps(at)));
+      };
       __m512 vlow = _mm512_set1_ps(-INFINITY);
       for (int64_t t = 0; t < v16; t += 16) {
         const __m512 at = load16(ar + t);
-        const __m512 err = _mm512_fmadd_ps(vk, _mm512_loadu_ps(wnorm + t), _mm512_mul_ps(vc, _mm512_abs_ps(at)));
-        vlow = _mm512_max_ps(vlow, _mm512_sub_ps(at, err));
+        vlow = _mm512_max_ps(vlow, _mm512_sub_ps(at, verr(t, at)));
       }
-      float lower = _mm512_reduce_max_ps(vlow);
-      for (int64_t t = v16; t < v; ++t) {
-        const float at = to_f(ar[t]);
-        lower = std::max(lower, at - (k * wnorm[t] + c_out * std::fabs(at)));
-      }
+      lower = _mm512_reduce_max_ps(vlow);
+#endif
+      for (int64_t t = v16; t < v; ++t) lower = std::max(lower, to_f(ar[t]) - err(t, to_f(ar[t])));
+#ifdef __AVX512F__
       const __m512 vl = _mm512_set1_ps(lower);
       for (int64_t t = 0; t < v16; t += 16) {
         const __m512 at = load16(ar + t);
-        const __m512 up = _mm512_add_ps(at, _mm512_fmadd_ps(vk, _mm512_loadu_ps(wnorm + t), _mm512_mul_ps(vc, _mm512_abs_ps(at))));
-        for (unsigned m = _mm512_cmp_ps_mask(up, vl, _CMP_GE_OQ); m; m &= m - 1) refine(t + __builtin_ctz(m));
-      }
-      for (int64_t t = v16; t < v; ++t) {
-        const float at = to_f(ar[t]);
-        if (at + (k * wnorm[t] + c_out * std::fabs(at)) >= lower) refine(t);
-      }
-#else
-      float lower = -INFINITY;
-      for (int64_t t = 0; t < v; ++t) {
-        const float at = to_f(ar[t]);
-        lower = std::max(lower, at - (k * wnorm[t] + c_out * std::fabs(at)));
-      }
-      for (int64_t t = 0; t < v; ++t) {
-        const float at = to_f(ar[t]);
-        if (at + (k * wnorm[t] + c_out * std::fabs(at)) >= lower) refine(t);
+        for (unsigned m = _mm512_cmp_ps_mask(_mm512_add_ps(at, verr(t, at)), vl, _CMP_GE_OQ); m; m &= m - 1) refine(t + __builtin_ctz(m));
       }
 #endif
+      for (int64_t t = v16; t < v; ++t)
+        if (to_f(ar[t]) + err(t, to_f(ar[t])) >= lower) refine(t);
       if (arg < 0)  // no candidate: only where the logits hold NaN; refine them all
         for (int64_t t = 0; t < v; ++t) refine(t);
       out[r] = arg;
