@@ -2,7 +2,8 @@
 library function.
 
 Exit codes: 0 done (or nothing left to do), 1 bad input or config, 2 bad command line,
-3 another run of the job holds its lock, 75 stopped by a signal (rerun to resume).
+3 another run of the job holds its lock, 75 stopped by a signal (rerun to resume),
+130 Ctrl-C twice (stopped without draining; committed rows are kept).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from .errors import BatchgenError
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Offline bulk batch inference: Parquet prompts in, resumable Parquet results out.\n\n"
                        "Exit codes: 0 done, 1 bad input/config, 2 bad command line, 3 job locked by another run, "
-                       "75 interrupted by a signal (rerun to resume).")
+                       "75 interrupted by a signal (rerun to resume), 130 Ctrl-C twice.")
 log = logging.getLogger("batchgen")
 
 JOB_ARG = typer.Argument(..., help="Job spec YAML (see jobs/example.yaml and schemas/job.schema.json)")
@@ -77,6 +78,10 @@ def run(job: Path = JOB_ARG,
             summary = run_job(spec, restart=restart, limit=limit, shard=parse_shard(shard))
     except BatchgenError as e:
         _fail(e)
+    except KeyboardInterrupt:
+        typer.echo("error: interrupted twice: stopped without draining; rows committed so far are kept, "
+                   "rerun the same command to resume", err=True)
+        raise typer.Exit(130) from None
     if summary.get("status") == "already_complete":
         typer.echo(f"job already complete: {summary['rows_total']} rows; nothing to do")
         return

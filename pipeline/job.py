@@ -148,10 +148,17 @@ def output_schema(spec: JobSpec, rows: InputRows) -> pa.Schema:
 
 
 class StopFlag:
-    """SIGTERM, SIGINT and SIGUSR1 (Slurm's warning) stop admission; finished rows are flushed."""
+    """SIGTERM, SIGINT and SIGUSR1 (Slurm's warning) ask the job to stop.
 
-    def __init__(self) -> None:
+    Before any row has been generated there is nothing to save, so the signal stops the run at
+    once (Interrupted, exit 75). Once `defer` is set (generation, flushing, compaction) it only
+    raises the flag: admission stops, running rows get the grace period, finished rows are
+    committed and the outputs are left whole. A second SIGINT (Ctrl-C twice) skips the drain:
+    rows committed so far are kept."""
+
+    def __init__(self, defer: bool = False) -> None:
         self.signal: int | None = None
+        self.defer = defer
         self._old = {}
 
     def __enter__(self) -> "StopFlag":
@@ -163,7 +170,12 @@ class StopFlag:
         return self
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.signal is not None:
+            raise KeyboardInterrupt
         self.signal = signum
+        if not self.defer:
+            raise Interrupted(f"stopped by signal {signum} before any row was generated; rerun to start")
+        log.info("signal %d: finishing what is running, then committing; Ctrl-C twice skips the drain", signum)
 
     def __exit__(self, *exc) -> None:
         for sig, old in self._old.items():
@@ -232,7 +244,13 @@ class Progress:
 def run_job(spec: JobSpec, restart: bool = False, limit: int | None = None, shard: tuple[int, int] | None = None,
             progress: bool = True) -> dict:
     """Run (or resume) a job, or one shard of it. Returns the summary; raises BatchgenError
-    subclasses on failure."""
+    subclasses on failure, Interrupted (exit 75) when a signal stopped it before the end."""
+    with StopFlag() as stop:
+        return _run_job(spec, restart, limit, shard, progress, stop)
+
+
+def _run_job(spec: JobSpec, restart: bool, limit: int | None, shard: tuple[int, int] | None, progress: bool,
+             stop: StopFlag) -> dict:
     from .models.loader import load_config, load_tokenizer, resolve_model
     from .shard import select_shard, task_root
 
@@ -241,15 +259,20 @@ def run_job(spec: JobSpec, restart: bool = False, limit: int | None = None, shar
     source = resolve_model(spec.model.path)
     out_dir = task_root(spec.output.path, shard)
     store = OutputStore(out_dir)
-    store.acquire_lock()
     try:
+        store.acquire_lock()
         fp = fingerprint(spec, rows, source.identity)
         if shard is not None:
             fp["shard"] = f"{shard[0]}/{shard[1]}"
+        stop.defer = True  # store.open may clear or repair the output: let it finish
         done = store.open(fp, restart)
+        stop.defer = False
+        if stop:
+            raise Interrupted(f"stopped by signal {stop.signal} before any row was generated; rerun to start")
         todo = [i for i, rid in enumerate(rows.ids) if rid not in done]
         if not todo:
             log.info("nothing to do: all %d rows of %s are already done", len(rows), spec.output.path)
+            stop.defer = True
             _finish_outputs(store, spec, rows, True, spec.model.path)
             return {"status": "already_complete", "rows_total": len(rows), "rows_done": len(done)}
         if limit is not None:
@@ -265,15 +288,18 @@ def run_job(spec: JobSpec, restart: bool = False, limit: int | None = None, shar
         sink = ResultSink(store, spec, rows, stats)
         for i, msg in sorted(prepared.errors.items()):
             sink.add_error(rows.ids[i], msg)
-        summary = _generate(spec, source, rows, prepared, sink, stats, t0, tokenizer, progress)
+        summary = _generate(spec, source, rows, prepared, sink, stats, t0, tokenizer, progress, stop)
+        stop.defer = True
         sink.flush()
         complete = len(done) + sink.rows_done == len(rows)
         _finish_outputs(store, spec, rows, complete, spec.model.path)
         summary.update(rows_total=len(rows), rows_done=len(done) + sink.rows_done, complete=complete)
+        # A signal that came after the last row (during flushing or compaction) stopped nothing.
+        summary["interrupted"] = stop.signal if stop and not complete else None
         if shard is not None:
             summary["shard"] = f"{shard[0]}/{shard[1]}"
         atomic_write_json(out_dir / "summary.json", summary)
-        if summary.get("interrupted"):
+        if summary["interrupted"]:
             raise Interrupted(f"stopped by signal {summary['interrupted']} after committing finished rows; "
                               "rerun the same command to resume")
         return summary
@@ -305,11 +331,11 @@ def _compact_if_needed(store: OutputStore, spec: JobSpec, rows: InputRows, compl
 
 
 def _generate(spec, source, rows, prepared, sink: ResultSink, stats: RunStats, t0: float, tokenizer,
-              show_progress: bool = True) -> dict:
+              show_progress: bool, stop: StopFlag) -> dict:
     from .llm import Engine, GenerationRequest
     from .models.loader import load_hf_model
 
-    summary: dict = {"interrupted": None}
+    summary: dict = {}
     engine = None
     gen_start = time.monotonic()
     if prepared.order:
@@ -322,15 +348,13 @@ def _generate(spec, source, rows, prepared, sink: ResultSink, stats: RunStats, t
                     for i in prepared.order)
         progress = Progress(len(prepared.order) + len(prepared.errors), enabled=show_progress)
         gen_start = time.monotonic()
-        with StopFlag() as stop:
-            for res in engine.generate(requests, should_stop=lambda: bool(stop), grace_s=spec.engine.grace_s):
-                sink.add(res.request_id, res.sample_index, res.text, res.finish_reason, res.error,
-                         res.prompt_tokens, res.completion_tokens, res.ttft_s, res.itl_s)
-                stats.cached_tokens += res.cached_tokens
-                progress.update(sink.rows_done, stats.completion_tokens, engine)
-                sink.maybe_flush()
-            if stop:
-                summary["interrupted"] = stop.signal
+        stop.defer = True  # from here on, finished rows are worth committing before exit
+        for res in engine.generate(requests, should_stop=lambda: bool(stop), grace_s=spec.engine.grace_s):
+            sink.add(res.request_id, res.sample_index, res.text, res.finish_reason, res.error,
+                     res.prompt_tokens, res.completion_tokens, res.ttft_s, res.itl_s)
+            stats.cached_tokens += res.cached_tokens
+            progress.update(sink.rows_done, stats.completion_tokens, engine)
+            sink.maybe_flush()
         progress.close()
     wall = time.monotonic() - gen_start
     summary.update({

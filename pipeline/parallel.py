@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -58,13 +59,22 @@ def run_data_parallel(spec: JobSpec, n: int, restart: bool = False, limit: int |
     start = time.monotonic()
     for p in procs:
         p.start()
-    from .job import Progress
+    from .job import Progress, StopFlag
 
     progress = Progress(total, interval_s=30.0)
+    forwarded = False
     try:
-        while any(p.is_alive() for p in procs):
-            time.sleep(poll_s)
-            progress.update(len(done_ids(spec.output.path)), 0)
+        # A signal to this process alone (kill PID, not the process group) reaches the workers too,
+        # as SIGTERM, so they drain and commit; Ctrl-C twice terminates them.
+        with StopFlag(defer=True) as stop:
+            while any(p.is_alive() for p in procs):
+                if stop and not forwarded:
+                    forwarded = True
+                    for p in procs:
+                        if p.is_alive():
+                            os.kill(p.pid, signal.SIGTERM)
+                time.sleep(poll_s if not stop else min(poll_s, 0.2))
+                progress.update(len(done_ids(spec.output.path)), 0)
     except KeyboardInterrupt:
         for p in procs:
             p.terminate()

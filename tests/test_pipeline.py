@@ -193,25 +193,126 @@ def test_kill_9_then_resume_gives_exactly_once_output(tmp_path, tiny_model_dir, 
 
 
 def test_sigterm_flushes_finished_rows_and_exits_75(tmp_path, tiny_model_dir):
-    n = 60
+    # One sequence at a time over 600 rows: far longer than the wait for the first committed part,
+    # however fast the machine. The signal is sent once rows are being committed.
+    n = 600
     inp = write_prompts(tmp_path / "in.parquet", n=n)
-    job = write_job(tmp_path, tiny_model_dir, inp, output={"rows_per_part": 1000},
-                    sampling={"max_tokens": 24}, engine={"max_num_seqs": 2})
+    job = write_job(tmp_path, tiny_model_dir, inp, output={"rows_per_part": 5},
+                    sampling={"max_tokens": 24}, engine={"max_num_seqs": 1})
     cmd = [sys.executable, "-m", "batchgen", "run", str(job)]
+    out = tmp_path / "out"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    for line in proc.stderr:
-        if "model loaded" in line:
-            break
-    time.sleep(0.5)
+    deadline = time.monotonic() + 120
+    while _ledger_count(out) < 1 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
     proc.send_signal(signal.SIGTERM)
     rest = proc.communicate(timeout=60)[1]
     assert proc.returncode == 75, rest
-    done = read_output(tmp_path / "out")
+    assert "rerun the same command to resume" in rest
+    done = read_output(out)
     assert done is not None and 0 < len(done) < n, "finished rows were committed before exiting"
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] == signal.SIGTERM and summary["complete"] is False
+    # Resume with a bigger batch (not part of the fingerprint): every id exactly once.
+    r = subprocess.run(cmd + ["--set", "engine.max_num_seqs=128"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ids = read_output(out)["id"].to_list()
+    assert sorted(ids) == [f"r{i:04d}" for i in range(n)] and len(ids) == len(set(ids))
+
+
+def _signal_self_on_call(monkeypatch, module, name, signum, on_call=1):
+    """Wrap module.name so that its on_call-th call first delivers signum to this process."""
+    real = getattr(module, name)
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == on_call:
+            os.kill(os.getpid(), signum)
+            time.sleep(0.05)  # the handler runs in the main thread at the next bytecode
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapped)
+    return calls
+
+
+def test_signal_before_generation_stops_at_once_with_75(tmp_path, tiny_model_dir, monkeypatch):
+    """During model loading nothing is at stake: the run stops there, exits 75 and loses nothing."""
+    from batchgen.config import load_job
+    from batchgen.errors import Interrupted
+    from batchgen.job import run_job
+    from batchgen.models import loader
+
+    inp = write_prompts(tmp_path / "in.parquet", n=8)
+    spec = load_job(write_job(tmp_path, tiny_model_dir, inp))
+    _signal_self_on_call(monkeypatch, loader, "load_hf_model", signal.SIGTERM)
+    with pytest.raises(Interrupted, match="before any row was generated"):
+        run_job(spec)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the handler was put back"
+    assert read_output(tmp_path / "out") is None
+    monkeypatch.undo()
+    assert run_job(spec)["rows_done"] == 8
+
+
+def test_signal_during_generation_drains_then_resume_is_exact(tmp_path, tiny_model_dir, monkeypatch):
+    from batchgen import job as job_mod
+    from batchgen.config import load_job
+    from batchgen.errors import Interrupted
+
+    n = 40
+    inp = write_prompts(tmp_path / "in.parquet", n=n)
+    spec = load_job(write_job(tmp_path, tiny_model_dir, inp, engine={"max_num_seqs": 4, "kv_cache_gib": 0.05}))
+    _signal_self_on_call(monkeypatch, job_mod.ResultSink, "add", signal.SIGUSR1, on_call=3)
+    with pytest.raises(Interrupted, match="after committing finished rows"):
+        job_mod.run_job(spec)
+    done = read_output(tmp_path / "out")["id"].to_list()
+    # The 3rd result raised the flag; at most the other running requests drained after it.
+    assert 3 <= len(done) <= 3 + 3, done
+    monkeypatch.undo()
+    summary = job_mod.run_job(spec)
+    assert summary["rows_ok"] == n - len(done)
     ids = read_output(tmp_path / "out")["id"].to_list()
-    assert sorted(ids) == [f"r{i:04d}" for i in range(n)]
+    assert sorted(ids) == [f"r{i:04d}" for i in range(n)] and len(ids) == len(set(ids))
+
+
+def test_signal_after_the_last_row_lets_the_job_finish_with_0(tmp_path, tiny_model_dir, monkeypatch):
+    """A signal during the final flush and input-order compaction stops nothing: outputs stay whole."""
+    from batchgen import job as job_mod
+    from batchgen.config import load_job
+
+    inp = write_prompts(tmp_path / "in.parquet", n=10)
+    spec = load_job(write_job(tmp_path, tiny_model_dir, inp, output={"order": "input"}))
+    calls = _signal_self_on_call(monkeypatch, job_mod, "_compact_if_needed", signal.SIGTERM)
+    summary = job_mod.run_job(spec)
+    assert calls and summary["complete"] and summary["interrupted"] is None
+    assert read_output(tmp_path / "out")["id"].to_list() == [f"r{i:04d}" for i in range(10)]
+
+
+def test_ctrl_c_twice_stops_without_draining(tmp_path, tiny_model_dir, monkeypatch):
+    from batchgen import job as job_mod
+    from batchgen.config import load_job
+
+    n = 40
+    inp = write_prompts(tmp_path / "in.parquet", n=n)
+    spec = load_job(write_job(tmp_path, tiny_model_dir, inp, engine={"max_num_seqs": 4, "grace_s": 600}))
+    real_add = job_mod.ResultSink.add
+    count = []
+
+    def add(self, *a, **k):
+        count.append(1)
+        if len(count) in (2, 3):  # the first Ctrl-C asks for a drain, the second one ends it
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        return real_add(self, *a, **k)
+
+    monkeypatch.setattr(job_mod.ResultSink, "add", add)
+    with pytest.raises(KeyboardInterrupt):
+        job_mod.run_job(spec)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    monkeypatch.undo()
+    job_mod.run_job(spec)  # the lock was released and the job resumes
+    ids = read_output(tmp_path / "out")["id"].to_list()
+    assert sorted(ids) == [f"r{i:04d}" for i in range(n)] and len(ids) == len(set(ids))
 
 
 def test_periodic_log_line_carries_live_stats(tmp_path, tiny_model_dir, caplog):

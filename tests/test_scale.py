@@ -92,6 +92,36 @@ def test_data_parallel_two_cpu_workers(tmp_path, tiny_model_dir):
     assert summary["worker_exit_codes"] == [0, 0] and summary["ttft_s"]["p50"] is not None
 
 
+def test_data_parallel_parent_forwards_sigterm_to_its_workers(tmp_path, tiny_model_dir):
+    """`kill PID` of the parent alone (not its process group, as a Slurm step or Ctrl-C would):
+    the workers still drain, commit and exit 75, and so does the parent."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    n = 600
+    inp = write_prompts(tmp_path / "in.parquet", n=n)
+    job = write_job(tmp_path, {"path": str(tiny_model_dir), "device": "cpu"}, inp, output={"rows_per_part": 5},
+                    sampling={"max_tokens": 24}, engine={"max_num_seqs": 1})
+    proc = subprocess.Popen([sys.executable, "-m", "batchgen", "run", str(job), "--data-parallel", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    tasks = tmp_path / "out" / "tasks"
+    deadline = time.monotonic() + 180
+    while proc.poll() is None and time.monotonic() < deadline and not list(tasks.glob("*/_ledger/part-*.json")):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 75, err[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["worker_exit_codes"] == [75, 75], "each worker drained and exited by itself"
+    ids = []
+    for root in sorted(tasks.iterdir()):
+        df = read_output(root)
+        ids += df["id"].to_list() if df is not None else []
+    assert 0 < len(ids) < n and len(ids) == len(set(ids))
+
+
 def test_overlapping_run_exits_3_with_a_clear_message(tmp_path, tiny_model_dir):
     inp = write_prompts(tmp_path / "in.parquet", n=3)
     job = write_job(tmp_path, tiny_model_dir, inp)
