@@ -163,10 +163,12 @@ def _ledger_count(out: Path) -> int:
 
 @pytest.mark.parametrize("kill_after_parts", [0, 2, 5])
 def test_kill_9_then_resume_gives_exactly_once_output(tmp_path, tiny_model_dir, kill_after_parts):
-    n = 60
+    # One sequence at a time over 300 rows, so the kill lands mid-job however fast the machine;
+    # the resume runs the rest in big batches (engine settings are not part of the fingerprint).
+    n = 300
     inp = write_prompts(tmp_path / "in.parquet", n=n)
     job = write_job(tmp_path, tiny_model_dir, inp, output={"rows_per_part": 3},
-                    sampling={"max_tokens": 24}, engine={"max_num_seqs": 2})
+                    sampling={"max_tokens": 24}, engine={"max_num_seqs": 1})
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "batchgen", "run", str(job)]
@@ -183,7 +185,8 @@ def test_kill_9_then_resume_gives_exactly_once_output(tmp_path, tiny_model_dir, 
     proc.wait()
     done_before = sum(len(json.loads(p.read_text())["ids"]) for p in (out / "_ledger").glob("part-*.json"))
     assert done_before < n, "the job finished before it could be killed; the test needs a slower job"
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd + ["--set", "engine.max_num_seqs=64"], env=env, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     df = read_output(out)
     ids = df["id"].to_list()
