@@ -175,7 +175,8 @@ class StopFlag:
         self.signal = signum
         if not self.defer:
             raise Interrupted(f"stopped by signal {signum} before any row was generated; rerun to start")
-        log.info("signal %d: finishing what is running, then committing; Ctrl-C twice skips the drain", signum)
+        # No logging here: a handler that writes to stderr while the interrupted code is writing
+        # to it raises "reentrant call". The engine logs the drain when it sees the flag.
 
     def __exit__(self, *exc) -> None:
         for sig, old in self._old.items():

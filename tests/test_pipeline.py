@@ -318,6 +318,17 @@ def test_ctrl_c_twice_stops_without_draining(tmp_path, tiny_model_dir, monkeypat
     assert sorted(ids) == [f"r{i:04d}" for i in range(n)] and len(ids) == len(set(ids))
 
 
+def test_cli_maps_ctrl_c_twice_to_130_with_a_message(job, monkeypatch):
+    import batchgen.job
+
+    def stopped(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(batchgen.job, "run_job", stopped)
+    r = runner.invoke(app, ["run", str(job)])
+    assert r.exit_code == 130 and "rows committed so far are kept" in r.output
+
+
 def test_periodic_log_line_carries_live_stats(tmp_path, tiny_model_dir, caplog):
     import logging
 
