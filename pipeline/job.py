@@ -147,6 +147,10 @@ def output_schema(spec: JobSpec, rows: InputRows) -> pa.Schema:
     return pa.schema(fields)
 
 
+def _stopped_early(signum: int) -> Interrupted:
+    return Interrupted(f"stopped by signal {signum} before any row was generated; rerun to start")
+
+
 class StopFlag:
     """SIGTERM, SIGINT and SIGUSR1 (Slurm's warning) ask the job to stop.
 
@@ -174,7 +178,7 @@ class StopFlag:
             raise KeyboardInterrupt
         self.signal = signum
         if not self.defer:
-            raise Interrupted(f"stopped by signal {signum} before any row was generated; rerun to start")
+            raise _stopped_early(signum)
         # No logging here: a handler that writes to stderr while the interrupted code is writing
         # to it raises "reentrant call". The engine logs the drain when it sees the flag.
 
@@ -269,7 +273,7 @@ def _run_job(spec: JobSpec, restart: bool, limit: int | None, shard: tuple[int, 
         done = store.open(fp, restart)
         stop.defer = False
         if stop:
-            raise Interrupted(f"stopped by signal {stop.signal} before any row was generated; rerun to start")
+            raise _stopped_early(stop.signal)
         todo = [i for i, rid in enumerate(rows.ids) if rid not in done]
         if not todo:
             log.info("nothing to do: all %d rows of %s are already done", len(rows), spec.output.path)

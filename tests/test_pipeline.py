@@ -223,14 +223,15 @@ def test_sigterm_flushes_finished_rows_and_exits_75(tmp_path, tiny_model_dir):
     assert sorted(ids) == [f"r{i:04d}" for i in range(n)] and len(ids) == len(set(ids))
 
 
-def _signal_self_on_call(monkeypatch, module, name, signum, on_call=1):
-    """Wrap module.name so that its on_call-th call first delivers signum to this process."""
+def _signal_self_on_call(monkeypatch, module, name, signum, on_calls=(1,)):
+    """Wrap module.name so that each of its calls numbered in on_calls (1-based) first delivers
+    signum to this process."""
     real = getattr(module, name)
     calls = []
 
     def wrapped(*args, **kwargs):
         calls.append(1)
-        if len(calls) == on_call:
+        if len(calls) in on_calls:
             os.kill(os.getpid(), signum)
             time.sleep(0.05)  # the handler runs in the main thread at the next bytecode
         return real(*args, **kwargs)
@@ -265,7 +266,7 @@ def test_signal_during_generation_drains_then_resume_is_exact(tmp_path, tiny_mod
     n = 40
     inp = write_prompts(tmp_path / "in.parquet", n=n)
     spec = load_job(write_job(tmp_path, tiny_model_dir, inp, engine={"max_num_seqs": 4, "kv_cache_gib": 0.05}))
-    _signal_self_on_call(monkeypatch, job_mod.ResultSink, "add", signal.SIGUSR1, on_call=3)
+    _signal_self_on_call(monkeypatch, job_mod.ResultSink, "add", signal.SIGUSR1, on_calls=(3,))
     with pytest.raises(Interrupted, match="after committing finished rows"):
         job_mod.run_job(spec)
     done = read_output(tmp_path / "out")["id"].to_list()
@@ -298,17 +299,8 @@ def test_ctrl_c_twice_stops_without_draining(tmp_path, tiny_model_dir, monkeypat
     n = 40
     inp = write_prompts(tmp_path / "in.parquet", n=n)
     spec = load_job(write_job(tmp_path, tiny_model_dir, inp, engine={"max_num_seqs": 4, "grace_s": 600}))
-    real_add = job_mod.ResultSink.add
-    count = []
-
-    def add(self, *a, **k):
-        count.append(1)
-        if len(count) in (2, 3):  # the first Ctrl-C asks for a drain, the second one ends it
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.05)
-        return real_add(self, *a, **k)
-
-    monkeypatch.setattr(job_mod.ResultSink, "add", add)
+    # The first Ctrl-C asks for a drain, the second one ends it.
+    _signal_self_on_call(monkeypatch, job_mod.ResultSink, "add", signal.SIGINT, on_calls=(2, 3))
     with pytest.raises(KeyboardInterrupt):
         job_mod.run_job(spec)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

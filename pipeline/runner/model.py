@@ -7,6 +7,7 @@ reproduces its greedy tokens exactly.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,9 @@ class ModelShape:
         return self.num_layers * per_layer
 
 
+@functools.lru_cache(maxsize=None)
 def _native_bf16() -> bool:
+    """The CPU probe, once per process: verified_greedy asks it every step."""
     cpu = getattr(torch, "cpu", None)
     try:
         return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())

@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from ..engine.kv_manager import cdiv
 from ..engine.outputs import RunnerOutput, SampledToken, ScheduledSeq
 from .attention import AttentionMetadata, CascadeGroup, DecodeBucket, PrefillSeq, QUANT_DTYPES, QuantCache, decode_buckets
 from .model import CausalLM
@@ -153,7 +154,7 @@ class ModelRunner:
         if self.model.fused and (verified or n > rows):
             # The lm_head and sampler by row chunks of at most LOGITS_CHUNK_BYTES of logits.
             h = self.model.forward(input_ids, positions, meta, self.kv.layers, sample_rows[0], logits=False)
-            size = -(-n // -(-n // rows))
+            size = cdiv(n, cdiv(n, rows))  # equal chunks of at most `rows`
             tokens = []
             for a in range(0, n, size):
                 if verified:
