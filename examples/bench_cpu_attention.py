@@ -16,10 +16,10 @@ import statistics
 import time
 
 import torch
-
 from batchgen.kernels import cpu_attention as ca
 from batchgen.runner.attention import DecodeBucket, _decode_batched, _sdpa_one, decode_buckets
 from batchgen.runner.model_runner import host_zeros
+from batchgen.shapes import cdiv
 
 HEADS, KVH, D, BS = 9, 3, 64, 16
 
@@ -39,7 +39,7 @@ def paged(lens: list[int], dtype: torch.dtype, g: torch.Generator, consecutive: 
     """K/V caches holding each sequence's positions [0, len) in shuffled blocks (with consecutive,
     each sequence's blocks in a row, as the engine's runs place them), and the tables. The caches
     are on 2 MiB pages where the kernel allows, as the engine's are."""
-    blocks = [-(-n // BS) for n in lens]
+    blocks = [cdiv(n, BS) for n in lens]
     nb = sum(blocks) + 1
     kc = host_zeros((nb, BS, KVH, D), dtype)
     vc = host_zeros((nb, BS, KVH, D), dtype)

@@ -15,9 +15,11 @@ import json
 import time
 
 from batchgen.bench import workload_requests
+from batchgen.config import EngineSpec
 from batchgen.engine.request import SamplingParams
-from batchgen.llm import Engine, EngineConfig, GenerationRequest
+from batchgen.llm import Engine, GenerationRequest
 from batchgen.models.loader import load_hf_model, load_tokenizer, resolve_model
+from batchgen.shapes import cdiv
 from batchgen.workload import load_sharegpt_pairs, sample_sharegpt
 
 
@@ -48,7 +50,7 @@ def shared_prefix(hf, tok, ident, n: int, prefix_tokens: int, out_tokens: int) -
     reqs = [GenerationRequest(str(i), prefix + q, sp) for i, q in enumerate(questions)]
     out = {}
     for caching in (True, False):
-        e = Engine(hf, tok, EngineConfig(prefix_caching=caching, max_num_seqs=64, kv_cache_gib=2.0),
+        e = Engine(hf, tok, EngineSpec(prefix_caching=caching, max_num_seqs=64, kv_cache_gib=2.0),
                    model_identity=ident)
         out["on" if caching else "off"] = timed(e, reqs)
     same = out["on"].pop("tokens") == out["off"].pop("tokens")
@@ -59,15 +61,15 @@ def shared_prefix(hf, tok, ident, n: int, prefix_tokens: int, out_tokens: int) -
 def memory_pressure(hf, tok, ident, n: int, cap: int) -> dict:
     items = sample_sharegpt(tok, n, cap)
     reqs = workload_requests(items)
-    probe = Engine(hf, tok, EngineConfig(kv_cache_gib=0.01))
+    probe = Engine(hf, tok, EngineSpec(kv_cache_gib=0.01))
     block_bytes = probe.kv_bytes_per_token * 16
-    want = sum(-(-(len(w.prompt_token_ids) + w.output_len) // 16) for w in items)
+    want = sum(cdiv(len(w.prompt_token_ids) + w.output_len, 16) for w in items)
     device_gib = 0.25 * want * block_bytes / 2**30
     base = dict(kv_cache_gib=device_gib, max_num_seqs=n, prefix_caching=False)
     out = {"requests": len(items), "blocks_wanted": want, "device_kv_gib": round(device_gib, 3)}
-    out["cpu_tier"] = timed(Engine(hf, tok, EngineConfig(cpu_offload_gib=4 * device_gib, preemption="swap", **base),
+    out["cpu_tier"] = timed(Engine(hf, tok, EngineSpec(cpu_offload_gib=4 * device_gib, preemption="swap", **base),
                                    model_identity=ident), reqs)
-    out["recompute"] = timed(Engine(hf, tok, EngineConfig(preemption="recompute", **base), model_identity=ident), reqs)
+    out["recompute"] = timed(Engine(hf, tok, EngineSpec(preemption="recompute", **base), model_identity=ident), reqs)
     out["identical_outputs"] = out["cpu_tier"].pop("tokens") == out["recompute"].pop("tokens")
     out["speedup"] = round(out["cpu_tier"]["output_tok_s"] / out["recompute"]["output_tok_s"], 2)
     return out
@@ -80,7 +82,7 @@ def int8_capacity(hf, tok, ident, n: int, cap: int, gib: float) -> dict:
     reqs = workload_requests(items)
     out = {"requests": len(items), "kv_cache_gib": gib}
     for kv in ("auto", "int8"):
-        e = Engine(hf, tok, EngineConfig(kv_cache_dtype=kv, kv_cache_gib=gib, max_num_seqs=n, prefix_caching=False),
+        e = Engine(hf, tok, EngineSpec(kv_cache_dtype=kv, kv_cache_gib=gib, max_num_seqs=n, prefix_caching=False),
                    model_identity=ident)
         r = timed(e, reqs)
         r.pop("tokens")

@@ -13,10 +13,9 @@ import argparse
 import statistics
 
 import torch
-from bench_cpu_attention import median_ms  # examples/ is on sys.path when run as a script
-
 from batchgen.kernels import cpu_attention as ops
 from batchgen.runner.linear import Linear, onednn_available
+from bench_cpu_attention import median_ms  # examples/ is on sys.path when run as a script
 
 HIDDEN, VOCAB = 576, 49152
 

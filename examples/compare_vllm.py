@@ -19,9 +19,7 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
-import time
 
 VLLM_RUNNER = r'''
 import json, sys, time

@@ -20,6 +20,7 @@ import time
 os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
+from batchgen.shapes import cdiv  # noqa: E402
 
 
 def kernel_tests() -> int:
@@ -43,7 +44,7 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
 def decode_bandwidth(ctx: int, batch: int = 64, kvh: int = 8, heads: int = 32, d: int = 128, bs: int = 16) -> float:
     from batchgen.kernels.paged_decode import paged_decode
 
-    blocks_per_seq = -(-ctx // bs)
+    blocks_per_seq = cdiv(ctx, bs)
     nblocks = batch * blocks_per_seq
     kc = torch.randn(nblocks, bs, kvh, d, dtype=torch.bfloat16, device="cuda")
     vc = torch.randn_like(kc)
@@ -62,9 +63,8 @@ def decode_bandwidth(ctx: int, batch: int = 64, kvh: int = 8, heads: int = 32, d
 
 
 def llama3_8b_like(tmpdir: str) -> str:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from batchgen.models.loader import load_tokenizer, resolve_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(vocab_size=49152, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,

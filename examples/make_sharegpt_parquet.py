@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-
 from batchgen.models.loader import load_tokenizer, resolve_model
 from batchgen.workload import sample_sharegpt
 

@@ -44,7 +44,7 @@ def _cpu_id() -> str:
 
 
 def _build_dir() -> Path:
-    from batchgen.models.loader import cache_root
+    from batchgen.cache import cache_root
 
     key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + " ".join(_FLAGS).encode()
                          + _cpu_id().encode() + torch.__version__.encode()).hexdigest()[:16]

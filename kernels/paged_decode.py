@@ -21,7 +21,7 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scal
     group = q.shape[1] // kvh
     for i in range(q.shape[0]):
         n = int(context_lens[i])
-        blocks = block_tables[i, : -(-n // bs)]
+        blocks = block_tables[i, : triton.cdiv(n, bs)]
         k = k_cache[blocks].reshape(-1, kvh, d)[:n].to(math_dtype).repeat_interleave(group, 1)  # [n, heads, d]
         v = v_cache[blocks].reshape(-1, kvh, d)[:n].to(math_dtype).repeat_interleave(group, 1)
         s = torch.einsum("hd,nhd->hn", q[i].to(math_dtype), k) * scale
@@ -129,7 +129,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if n == 0:
         return out
     group = heads // kvh
-    splits = max(1, -(-block_tables.shape[1] // blocks_per_split))
+    splits = max(1, triton.cdiv(block_tables.shape[1], blocks_per_split))
     acc = torch.empty((n, heads, splits, d), dtype=torch.float32, device=q.device)
     m = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)

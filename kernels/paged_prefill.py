@@ -22,7 +22,7 @@ def paged_prefill_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     for i in range(block_tables.shape[0]):
         a, b = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
         n, total = b - a, int(context_lens[i])
-        blocks = block_tables[i, : -(-total // bs)]
+        blocks = block_tables[i, : triton.cdiv(total, bs)]
         k = k_cache[blocks].reshape(-1, kvh, d)[:total].to(math_dtype).repeat_interleave(group, 1)
         v = v_cache[blocks].reshape(-1, kvh, d)[:total].to(math_dtype).repeat_interleave(group, 1)
         s = torch.einsum("qhd,khd->hqk", q[a:b].to(math_dtype), k) * scale

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -55,11 +54,11 @@ def workload_requests(items: list[WorkloadItem]):
 
 
 def run_batchgen(hf_model, tokenizer, items: list[WorkloadItem], dtype: str, identity: str, **engine_kw) -> BenchResult:
-    from .llm import Engine, EngineConfig
+    from .config import EngineSpec, ModelSpec
+    from .llm import Engine
 
-    cfg = EngineConfig(dtype=dtype, max_seq_tokens=max(len(w.prompt_token_ids) + w.output_len for w in items),
-                       **engine_kw)
-    engine = Engine(hf_model, tokenizer, cfg, model_identity=identity)
+    engine = Engine(hf_model, tokenizer, EngineSpec(**engine_kw), ModelSpec(dtype=dtype), model_identity=identity,
+                    max_seq_tokens=max(len(w.prompt_token_ids) + w.output_len for w in items))
     reqs = workload_requests(items)
     t0 = time.perf_counter()
     results = list(engine.generate(reqs))
@@ -168,7 +167,7 @@ def run_bench(num_prompts: int = 256, output_cap: int = 256, dtypes=("float32", 
               peers=("hf-cb", "hf-generate"), peer_num_prompts: int | None = 64, model: str = "default",
               engine_kw: dict | None = None, seed: int = 0) -> dict:
     from .models.loader import load_hf_model, load_tokenizer, resolve_model
-    from .runner.model import ModelShape
+    from .shapes import ModelShape
 
     source = resolve_model(model)
     tokenizer = load_tokenizer(source)
@@ -323,13 +322,14 @@ def kv_quality(hf, tok, prompts, tokens: int, dtype: str = "float32", kv_dtype: 
     """Quantised (int8 or fp8) KV against the unquantised cache: exact-match rate of the first
     `tokens` greedy tokens, and mean |logprob difference| of the chosen tokens while both runs
     agree. fp8 runs on the torch path here (the same quantiser as the Triton kernels)."""
-    from batchgen.engine.request import SamplingParams
-    from batchgen.llm import Engine, EngineConfig, GenerationRequest
+    from .config import EngineSpec, ModelSpec
+    from .engine.request import SamplingParams
+    from .llm import Engine, GenerationRequest
 
     sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=1)
     out = {}
     for kv in ("auto", kv_dtype):
-        e = Engine(hf, tok, EngineConfig(dtype=dtype, kv_cache_dtype=kv, kv_cache_gib=1.0))
+        e = Engine(hf, tok, EngineSpec(kv_cache_dtype=kv, kv_cache_gib=1.0), ModelSpec(dtype=dtype))
         out[kv] = {r.request_id: r for r in e.generate(GenerationRequest(str(i), p, sp) for i, p in enumerate(prompts))}
         out[kv + "_bytes_per_token"] = e.kv_bytes_per_token
     diffs, exact = [], 0

@@ -11,10 +11,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .engine.request import SamplingParams
 from .errors import ConfigError
 
 # Sampling fields an input column may override per row.
-ROW_OVERRIDABLE = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
+ROW_OVERRIDABLE = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "logprobs")
 
 
 class Strict(BaseModel):
@@ -46,6 +47,9 @@ class InputSpec(Strict):
     system_prompt: str | None = None
     chat_template: bool | None = Field(None, description="Apply the tokenizer's chat template (default: true when the model has one)")
     passthrough_columns: list[str] = Field(default_factory=list, description="Input columns copied to the output")
+    window_rows: int = Field(100_000, ge=1, description=(
+        "Rows read and tokenized at a time (in the background while the engine runs) and sorted by length "
+        "within; memory follows it, not the input's size"))
     sampling_columns: dict[str, str] = Field(default_factory=dict, description=(
         "Per-row sampling overrides: {sampling field: column}, e.g. {max_tokens: max_tokens}. "
         f"Fields: {', '.join(ROW_OVERRIDABLE)}. A null cell keeps the job's value"))
@@ -72,6 +76,11 @@ class InputSpec(Strict):
         return self
 
     @property
+    def per_row_n(self) -> bool:
+        """Whether a row may ask for its own number of samples."""
+        return self.format == "openai_batch" or "n" in self.sampling_columns
+
+    @property
     def paths(self) -> list[str]:
         return [self.path] if isinstance(self.path, str) else list(self.path or [])
 
@@ -86,24 +95,10 @@ class OutputSpec(Strict):
         "completion", description="completion: parts in finishing order; input: compacted into input order at the end")
 
 
-class SamplingSpec(Strict):
-    max_tokens: int = Field(256, ge=1)
-    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 disables top-k")
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(None, description="Per-row seeds derive from it and the row id: same text in any batch")
-    stop: list[str] = Field(default_factory=list, description="Stop strings (not included in the text)")
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    n: int = Field(1, ge=1, description="Samples per row; each sample is its own output row with sample_index")
+class SamplingSpec(SamplingParams):
+    """The job's `sampling:` section: the engine's SamplingParams with the job's defaults."""
 
-    @field_validator("stop")
-    @classmethod
-    def _non_empty_stops(cls, v: list[str]) -> list[str]:
-        if any(s == "" for s in v):
-            raise ValueError("stop strings must be non-empty")
-        return v
+    max_tokens: int = Field(256, ge=1)
 
 
 class EngineSpec(Strict):

@@ -3,67 +3,24 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-import torch
-
+from .config import EngineSpec, ModelSpec
 from .engine.kv_manager import KVCacheManager
 from .engine.request import Request, SamplingParams
 from .engine.scheduler import Scheduler, SchedulerConfig
 from .errors import ConfigError
-from .kernels import cpu_attention
-from .runner.linear import onednn_available
-from .runner.model import CausalLM, ModelShape
-from .runner.model_runner import KVCache, ModelRunner, keep_freed_memory, kv_bytes_per_token_head
+from .runner import build
+from .runner.model import CausalLM
+from .runner.model_runner import KVCache, ModelRunner, keep_freed_memory
+from .runner.sampler import Sampler
+from .shapes import ModelShape
 
 log = logging.getLogger("batchgen")
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-@dataclass
-class EngineConfig:
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    # KV budget in GiB; when None, kv_cache_fraction of free memory (capped at what the
-    # batch can use: max_num_seqs sequences of max_model_len tokens).
-    kv_cache_gib: float | None = None
-    kv_cache_fraction: float = 0.25
-    # Cap on prompt + output tokens; defaults to the model's context length.
-    max_model_len: int | None = None
-    prefix_caching: bool = True
-    # Host-memory KV tier for swapped-out requests and spilled prefix blocks (0: off).
-    cpu_offload_gib: float = 0.0
-    # auto | swap | recompute: what a preempted request's KV becomes.
-    preemption: str = "auto"
-    dtype: str = "auto"
-    # KV storage: "auto" (the model dtype), "int8" (per-token-head scales; CPU paths) or "fp8"
-    # (e4m3, per-token-head scales; the Triton kernels on CUDA, the torch path on a CPU).
-    kv_cache_dtype: str = "auto"
-    device: str = "auto"
-    # "auto": oneDNN packed GEMMs on CPU when available; "plain": F.linear (exact reference).
-    linear_path: str = "auto"
-    # "batched" (padded, one SDPA for all decodes) or "exact" (per sequence, bit-identical
-    # to transformers' batch-1 decode).
-    decode_attention: str = "batched"
-    # "auto": Triton kernels on CUDA; on a CPU the C++ decode op ("cpu") where it builds, else
-    # "torch". "triton" on a CPU needs TRITON_INTERPRET=1.
-    attention_backend: str = "auto"
-    # Decode-only steps replay CUDA graphs captured per batch-size bucket (CUDA + Triton only).
-    cuda_graphs: bool = True
-    seed: int = 0
-    # "throughput" (as configured) or "latency": caps the batch at LATENCY_MAX_SEQS sequences
-    # and LATENCY_MAX_TOKENS tokens a step, trading throughput for low inter-token latency.
-    profile: str = "throughput"
-    # Waiting requests kept in the scheduler ahead of need, as a multiple of max_num_seqs.
-    lookahead: int = 4
-    # Longest prompt + max_tokens the caller will send; caps the default KV budget at what
-    # max_num_seqs such sequences can use (a job knows it after tokenizing).
-    max_seq_tokens: int | None = None
-
+# Waiting requests kept in the scheduler ahead of need, as a multiple of max_num_seqs.
+LOOKAHEAD = 4
 
 @dataclass
 class GenerationRequest:
@@ -92,166 +49,96 @@ class GenerationResult:
         return len(self.token_ids)
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("model.device: 'cuda' asked for but torch sees no CUDA device")
-    if device not in ("cpu", "cuda"):
-        raise ConfigError(f"model.device: {device!r} is not one of auto, cpu, cuda")
-    return torch.device(device)
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's state and counters (progress lines, summaries)."""
 
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ConfigError(f"model.dtype: {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
+    running: int
+    waiting: int
+    kv_usage: float
+    prefix_hit_rate: float
+    prefill_tokens: int
+    decode_tokens: int
+    generated_tokens: int
+    preemptions: int
+    swap_preemptions: int
+    recompute_preemptions: int
+    cpu_blocks_used: int
+    cpu_blocks: int
+    swapped_out_blocks: int
+    swapped_in_blocks: int
+    spilled_blocks: int
+    reloaded_blocks: int
 
 
 def sliding_window(config) -> int | None:
     """The model's uniform sliding window (Mistral-style), or None for full attention."""
-    window = getattr(config, "sliding_window", None)
-    if not window or not getattr(config, "use_sliding_window", True):
-        return None
     layers = getattr(config, "layer_types", None)
-    if layers and any(t != "sliding_attention" for t in layers):
+    window = ModelShape.from_config(config).sliding_window
+    if window and layers and any(t != "sliding_attention" for t in layers):
         raise ConfigError(f"model: mixed full/sliding attention layers ({config.model_type}) are not supported")
-    return int(window)
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 8 << 30
-
-
-LATENCY_MAX_SEQS = 16
-LATENCY_MAX_TOKENS = 512
+    return window
 
 
 class Engine:
     """Continuous batching on a paged KV cache. Build it from a model spec or a loaded
     transformers model; feed it GenerationRequests; results stream out as they finish."""
 
-    def __init__(self, hf_model, tokenizer, config: EngineConfig | None = None, model_identity: str = "") -> None:
-        cfg = config or EngineConfig()
-        if cfg.profile not in ("throughput", "latency"):
-            raise ConfigError(f"engine.profile: {cfg.profile!r} is not one of throughput, latency")
-        if cfg.profile == "latency":
-            cfg = replace(cfg, max_num_seqs=min(cfg.max_num_seqs, LATENCY_MAX_SEQS),
-                           max_num_batched_tokens=min(cfg.max_num_batched_tokens, LATENCY_MAX_TOKENS))
-        self.config = cfg
+    def __init__(self, hf_model, tokenizer, engine: EngineSpec | None = None, model: ModelSpec | None = None, *,
+                 model_identity: str = "", max_seq_tokens: int | None = None) -> None:
+        """engine and model are the job spec's sections (validated pydantic models); max_seq_tokens
+        is the longest prompt + max_tokens the caller will send (a job knows it after tokenizing),
+        which caps the default KV budget."""
+        self.config = spec = build.apply_profile(engine or EngineSpec())
+        model = model or ModelSpec()
         self.tokenizer = tokenizer
-        self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
-        linear_path = cfg.linear_path
-        if linear_path == "auto":
-            linear_path = "onednn" if self.device.type == "cpu" and onednn_available() else "plain"
-        self.linear_path = linear_path
+        self.device = build.resolve_device(model.device)
+        self.dtype = build.resolve_dtype(model.dtype, self.device)
+        self.kv_dtype = build.resolve_kv_dtype(spec.kv_cache_dtype, self.dtype)
+        self.backend = backend = build.choose_backend(spec, self.device, self.kv_dtype)
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.model = CausalLM(hf_model, self.dtype, str(self.device), linear_path)
+        self.model = CausalLM(hf_model, self.dtype, str(self.device), backend.linear_path, backend.fused_ops)
         shape: ModelShape = self.model.shape
-        self.max_model_len = min(cfg.max_model_len or shape.max_position, shape.max_position)
+        self.max_model_len = min(spec.max_model_len or shape.max_position, shape.max_position)
         self.window = sliding_window(hf_model.config)
-        self.kv_dtype = self._kv_dtype(cfg.kv_cache_dtype)
-        self.kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * kv_bytes_per_token_head(
-            self.kv_dtype, shape.head_dim)
-        self.num_blocks = self._num_blocks(shape)
-        block_bytes = cfg.block_size * self.kv_bytes_per_token
-        self.num_cpu_blocks = int(cfg.cpu_offload_gib * 2**30) // block_bytes
-        self.kv_cache = KVCache(shape.num_layers, self.num_blocks, cfg.block_size, shape.num_kv_heads,
-                                shape.head_dim, self.kv_dtype, self.device, self.num_cpu_blocks)
+        self.kv_layout = kv = build.size_kv_cache(spec, shape, self.kv_dtype, self.device, self.max_model_len,
+                                                  max_seq_tokens)
+        self.kv_cache = KVCache(shape.num_layers, kv.num_blocks, spec.block_size, shape.num_kv_heads,
+                                shape.head_dim, self.kv_dtype, self.device, kv.num_cpu_blocks)
         salt = f"{model_identity}|{self.dtype}|{self.kv_dtype}".encode()
-        self.kv_manager = KVCacheManager(self.num_blocks, cfg.block_size, cfg.prefix_caching, salt,
-                                         self.num_cpu_blocks, self.window)
-        # Cost estimates for swap-or-recompute: host copies run ~10 GB/s on a CPU and ~20 GB/s
-        # over PCIe; recompute costs 2 FLOP per parameter per token at ~150 GFLOP/s (this CPU,
-        # measured) or ~300 TFLOP/s (H200 bf16, derated).
-        flops = 1.5e11 if self.device.type == "cpu" else 3e14
-        copy_bw = 1e10 if self.device.type == "cpu" else 2e10
-        sched_cfg = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len, cfg.preemption,
-                                    recompute_s_per_token=2 * shape.non_embedding_params() / flops,
-                                    swap_s_per_block=2 * block_bytes / copy_bw)
-        self.scheduler = Scheduler(sched_cfg, self.kv_manager)
-        backend = cfg.attention_backend
-        if backend not in ("auto", "torch", "cpu", "triton"):
-            raise ConfigError(f"engine.attention_backend: {backend!r} is not one of auto, torch, cpu, triton")
-        fp8 = self.kv_dtype == torch.float8_e4m3fn
-        if backend == "auto":
-            if self.device.type == "cuda":
-                backend = "triton"
-            else:  # the C++ op reads float, bf16 and int8 caches; fp8 on a CPU stays on torch
-                backend = "cpu" if not fp8 and cpu_attention.available() else "torch"
-        elif backend == "cpu":
-            if self.device.type != "cpu":
-                raise ConfigError("engine.attention_backend: cpu runs on the CPU device only")
-            if fp8:
-                raise ConfigError("engine.kv_cache_dtype: fp8 is for CUDA (Triton kernels); on a CPU use int8, or "
-                                  "engine.attention_backend: torch")
-            try:
-                cpu_attention.load()
-            except RuntimeError as e:
-                raise ConfigError(f"engine.attention_backend: cpu: {e}") from e
-        if backend == "triton" and self.kv_dtype == torch.int8:
-            raise ConfigError("engine.kv_cache_dtype: int8 runs on the CPU paths; on CUDA use fp8, or set "
-                              "engine.attention_backend: torch")
-        self.attention_backend = backend
-        # The C++ fused layer ops ride along with the C++ attention op, except on the exact
-        # reference paths (linear_path plain, decode_attention exact), which keep torch's ops.
-        self.model.fused = backend == "cpu" and linear_path != "plain" and cfg.decode_attention == "batched"
-        self.runner = ModelRunner(self.model, self.kv_cache, cfg.decode_attention, cfg.seed, backend, self.window)
-        self.runner.sampler.fused_argmax = self.model.fused
-        if cfg.cuda_graphs and backend == "triton" and self.device.type == "cuda":
-            from .runner.cuda_graphs import DecodeGraphs
-
-            self.runner.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.scheduler.config.max_num_seqs,
-                                              -(-self.max_model_len // cfg.block_size), self.window)
+        self.kv_manager = KVCacheManager(kv.num_blocks, spec.block_size, spec.prefix_caching, salt,
+                                         kv.num_cpu_blocks, self.window)
+        recompute_s, swap_s = build.preemption_costs(shape, kv.block_bytes, self.device)
+        self.scheduler = Scheduler(SchedulerConfig(spec.max_num_seqs, spec.max_num_batched_tokens, self.max_model_len,
+                                                   spec.preemption, recompute_s, swap_s), self.kv_manager)
+        graphs = build.decode_graphs(spec, backend, self.device, self.model, self.kv_cache.layers, self.max_model_len,
+                                     self.window)
+        self.runner = ModelRunner(self.model, self.kv_cache, Sampler(spec.seed, fused_argmax=backend.fused_ops),
+                                  spec.decode_attention, backend.attention, self.window, graphs)
         self.eos_token_ids = self._eos_ids(hf_model, tokenizer)
         log.info("engine: %s %s, linear=%s, attention=%s%s, KV cache %d blocks x %d tokens = %.2f GiB (%d B/token), "
-                 "CPU tier %d blocks = %.2f GiB", self.device, str(self.dtype).replace("torch.", ""), linear_path,
-                 backend, " + fused layer ops" if self.model.fused else "",
-                 self.num_blocks, cfg.block_size, self.kv_cache.bytes / 2**30, self.kv_bytes_per_token,
-                 self.num_cpu_blocks, self.kv_cache.cpu_bytes / 2**30)
+                 "CPU tier %d blocks = %.2f GiB", self.device, build.dtype_name(self.dtype), backend.linear_path,
+                 backend.attention, " + fused layer ops" if backend.fused_ops else "",
+                 kv.num_blocks, spec.block_size, self.kv_cache.bytes / 2**30, kv.bytes_per_token,
+                 kv.num_cpu_blocks, self.kv_cache.cpu_bytes / 2**30)
         self.step_count = 0
 
-    def _kv_dtype(self, name: str) -> torch.dtype:
-        if name == "auto":
-            return self.dtype
-        if name == "int8":
-            return torch.int8
-        if name == "fp8":
-            return torch.float8_e4m3fn
-        raise ConfigError(f"engine.kv_cache_dtype: {name!r} is not one of auto, int8, fp8")
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_layout.num_blocks
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_layout.bytes_per_token
 
     @classmethod
-    def from_model(cls, spec: str, config: EngineConfig | None = None) -> "Engine":
+    def from_model(cls, model: str | ModelSpec = "default", engine: EngineSpec | None = None) -> "Engine":
         from .models.loader import load_hf_model, load_tokenizer, resolve_model
 
-        source = resolve_model(spec)
-        hf_model = load_hf_model(source)
-        return cls(hf_model, load_tokenizer(source), config, model_identity=source.identity)
-
-    def _num_blocks(self, shape: ModelShape) -> int:
-        cfg = self.config
-        per_block = cfg.block_size * self.kv_bytes_per_token
-        if cfg.kv_cache_gib is not None:
-            budget = int(cfg.kv_cache_gib * 2**30)
-        else:
-            budget = int(cfg.kv_cache_fraction * available_memory_bytes(self.device))
-            longest = min(cfg.max_seq_tokens or self.max_model_len, self.max_model_len)
-            useful = cfg.max_num_seqs * (-(-longest // cfg.block_size) + 1) * per_block
-            budget = min(budget, useful)
-        blocks = budget // per_block
-        if blocks < 1:
-            raise ConfigError(f"engine.kv_cache_gib: {budget} bytes hold no {per_block}-byte block; raise it")
-        return blocks
+        model = ModelSpec(path=model) if isinstance(model, str) else model
+        source = resolve_model(model.path)
+        return cls(load_hf_model(source), load_tokenizer(source), engine, model, model_identity=source.identity)
 
     @staticmethod
     def _eos_ids(hf_model, tokenizer) -> tuple[int, ...]:
@@ -268,15 +155,17 @@ class Engine:
 
     # -- generation ------------------------------------------------------------------------
 
-    def generate(self, requests: Iterable[GenerationRequest], should_stop=None,
-                 grace_s: float = 0.0) -> Iterator[GenerationResult]:
+    def generate(self, requests: Iterable[GenerationRequest], should_stop=None, grace_s: float = 0.0,
+                 on_step=None) -> Iterator[GenerationResult]:
         """Run every request; yield each result (one per sample) as soon as it finishes.
-        should_stop() is asked before every step; once it says yes, nothing new is admitted,
-        running requests get up to grace_s seconds to finish, and the rest are dropped."""
+        Requests are pulled from the iterable only as the scheduler needs them. should_stop() is
+        asked before every step; once it says yes, nothing new is admitted, running requests get
+        up to grace_s seconds to finish, and the rest are dropped. on_step(engine) is called after
+        every step (progress, signal checks)."""
         pending = iter(requests)
         exhausted = False
         sched = self.scheduler
-        target = self.config.max_num_seqs * self.config.lookahead
+        target = self.config.max_num_seqs * LOOKAHEAD
         deadline = None
         while True:
             if deadline is None and should_stop is not None and should_stop():
@@ -286,19 +175,21 @@ class Engine:
             if deadline is not None:
                 if not sched.running or time.monotonic() >= deadline:
                     return
-                yield from self.step()
-                continue
-            while not exhausted and len(sched.waiting) < target:
-                req = next(pending, None)
-                if req is None:
-                    exhausted = True
-                else:
-                    self.add_request(req)
-            if not sched.has_unfinished():
-                if exhausted:
-                    return
-                continue
-            yield from self.step()
+            else:
+                while not exhausted and len(sched.waiting) < target:
+                    req = next(pending, None)
+                    if req is None:
+                        exhausted = True
+                    else:
+                        self.add_request(req)
+                if not sched.has_unfinished():
+                    if exhausted:
+                        return
+                    continue
+            results = self.step()
+            if on_step is not None:
+                on_step(self)
+            yield from results
 
     def add_request(self, req: GenerationRequest) -> None:
         sp = req.sampling
@@ -306,7 +197,7 @@ class Engine:
         for i in range(sp.n):
             child_sp = sp
             if sp.n > 1:
-                child_sp = replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
+                child_sp = sp.model_copy(update={"n": 1, "seed": None if sp.seed is None else sp.seed + i})
             r = Request(f"{req.request_id}\x00{i}", list(req.prompt_token_ids), child_sp, self.eos_token_ids, now)
             self.scheduler.add_request(r)
 
@@ -345,27 +236,42 @@ class Engine:
                                 req.error, req.num_prompt_tokens, req.num_cached_tokens, ttft, itl, req.logprobs,
                                 req.num_preemptions)
 
-    def counters(self) -> dict:
+    def stats(self) -> EngineStats:
         s = self.scheduler.stats
         t = self.kv_manager.tier
+        cpu = self.kv_manager.cpu_pool
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), kv_usage=self.kv_manager.usage(),
+            prefix_hit_rate=self.kv_manager.prefix_hit_rate(), prefill_tokens=s.prefill_tokens,
+            decode_tokens=s.decode_tokens, generated_tokens=s.generated_tokens, preemptions=s.num_preemptions, swap_preemptions=s.num_swap_preemptions,
+            recompute_preemptions=s.num_recompute_preemptions, cpu_blocks_used=cpu.num_used_blocks if cpu else 0,
+            cpu_blocks=cpu.num_blocks if cpu else 0, swapped_out_blocks=t.swapped_out_blocks,
+            swapped_in_blocks=t.swapped_in_blocks, spilled_blocks=t.spilled_blocks, reloaded_blocks=t.reloaded_blocks)
+
+    def counters(self) -> dict:
+        """The engine's settings and counters for summary.json."""
+        s = self.scheduler.stats
+        st = self.stats()
+        kv = self.kv_layout
+        block_bytes = self.kv_cache.block_bytes
         return {
-            "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""), "linear_path": self.linear_path,
-            "attention_backend": self.attention_backend, "fused_layer_ops": self.model.fused,
-            "cuda_graph_replays": self.runner.graphs.replays if self.runner.graphs else 0,
-            "num_kv_blocks": self.num_blocks, "block_size": self.config.block_size,
-            "kv_cache_bytes": self.kv_cache.bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
-            "kv_cache_dtype": str(self.kv_dtype).replace("torch.", ""),
+            "device": str(self.device), "dtype": build.dtype_name(self.dtype),
+            "linear_path": self.backend.linear_path, "attention_backend": self.backend.attention,
+            "fused_layer_ops": self.backend.fused_ops, "cuda_graph_replays": self.runner.graph_replays,
+            "num_kv_blocks": kv.num_blocks, "block_size": self.config.block_size,
+            "kv_cache_bytes": self.kv_cache.bytes, "kv_bytes_per_token": kv.bytes_per_token,
+            "kv_cache_dtype": build.dtype_name(self.kv_dtype),
             "max_model_len": self.max_model_len, "sliding_window": self.window, "profile": self.config.profile,
             "max_num_seqs": self.config.max_num_seqs, "max_num_batched_tokens": self.config.max_num_batched_tokens,
-            "steps": s.num_steps, "preemptions": s.num_preemptions,
-            "prefill_tokens": s.prefill_tokens, "decode_tokens": s.decode_tokens, "peak_running": s.peak_running,
-            "peak_kv_blocks": s.peak_kv_blocks, "prefix_hit_rate": round(self.kv_manager.prefix_hit_rate(), 4),
-            "prefix_cache_evictions": self.kv_manager.pool.num_evictions,
-            "preemptions_swap": s.num_swap_preemptions, "preemptions_recompute": s.num_recompute_preemptions,
-            "cpu_kv_blocks": self.num_cpu_blocks, "cpu_kv_bytes": self.kv_cache.cpu_bytes,
+            "steps": s.num_steps, "preemptions": st.preemptions,
+            "prefill_tokens": st.prefill_tokens, "decode_tokens": st.decode_tokens, "peak_running": s.peak_running,
+            "peak_kv_blocks": s.peak_kv_blocks, "prefix_hit_rate": round(st.prefix_hit_rate, 4),
+            "prefix_cache_evictions": self.kv_manager.num_evictions,
+            "preemptions_swap": st.swap_preemptions, "preemptions_recompute": st.recompute_preemptions,
+            "cpu_kv_blocks": kv.num_cpu_blocks, "cpu_kv_bytes": self.kv_cache.cpu_bytes,
             "peak_cpu_kv_blocks": self.kv_manager.cpu_pool.peak_used if self.kv_manager.cpu_pool else 0,
-            "swapped_out_blocks": t.swapped_out_blocks, "swapped_in_blocks": t.swapped_in_blocks,
-            "swapped_out_bytes": t.swapped_out_blocks * self.kv_cache.block_bytes,
-            "swapped_in_bytes": t.swapped_in_blocks * self.kv_cache.block_bytes,
-            "prefix_blocks_spilled": t.spilled_blocks, "prefix_blocks_reloaded": t.reloaded_blocks,
+            "swapped_out_blocks": st.swapped_out_blocks, "swapped_in_blocks": st.swapped_in_blocks,
+            "swapped_out_bytes": st.swapped_out_blocks * block_bytes,
+            "swapped_in_bytes": st.swapped_in_blocks * block_bytes,
+            "prefix_blocks_spilled": st.spilled_blocks, "prefix_blocks_reloaded": st.reloaded_blocks,
         }

@@ -29,7 +29,9 @@ def _worker(spec_data: dict, index: int, n: int, restart: bool, limit: int | Non
     from .job import run_job
 
     try:
-        run_job(JobSpec.model_validate(spec_data), restart=restart, limit=limit, shard=(index, n), progress=False)
+        # A task may hold no rows (fewer rows than workers); the parent checked the input as a whole.
+        run_job(JobSpec.model_validate(spec_data), restart=restart, limit=limit, shard=(index, n), progress=False,
+                allow_empty=True)
     except BatchgenError as e:
         log.error("%s", e)
         raise SystemExit(e.exit_code)
@@ -47,42 +49,46 @@ def _cuda_device_count() -> int:
 
 
 def run_data_parallel(spec: JobSpec, n: int, restart: bool = False, limit: int | None = None,
-                      poll_s: float = 2.0) -> dict:
-    from .job import done_ids, read_input
+                      poll_s: float = 2.0, allow_empty: bool = False) -> dict:
+    from .errors import InputError
+    from .io.sources import open_input
+    from .job.progress import Progress
+    from .job.signals import StopFlag
+    from .job.status import count_done
 
-    total = len(read_input(spec.input))
+    total = sum(s.num_rows for s in open_input(spec.input).shards)
+    if total == 0 and not allow_empty:
+        raise InputError("input: no rows to run; pass --allow-empty to accept an empty input")
     devices = _cuda_device_count() if spec.model.device != "cpu" else 0
     ctx = mp.get_context("spawn")
     data = spec.model_dump(mode="json")
-    procs = [ctx.Process(target=_worker, args=(data, i, n, restart, limit, devices), name=f"batchgen-{i}")
-             for i in range(n)]
+    procs = [ctx.Process(target=_worker, args=(data, i, n, restart, limit, devices),
+                         name=f"batchgen-{i}") for i in range(n)]
     start = time.monotonic()
     for p in procs:
         p.start()
-    from .job import Progress, StopFlag
-
     progress = Progress(total, interval_s=30.0)
     forwarded = False
     try:
         # A signal to this process alone (kill PID, not the process group) reaches the workers too,
         # as SIGTERM, so they drain and commit; Ctrl-C twice terminates them.
-        with StopFlag(defer=True) as stop:
+        with StopFlag() as stop:
             while any(p.is_alive() for p in procs):
+                if stop.forced:
+                    for p in procs:
+                        p.terminate()
+                    stop.check_forced()
                 if stop and not forwarded:
                     forwarded = True
                     for p in procs:
                         if p.is_alive():
                             os.kill(p.pid, signal.SIGTERM)
                 time.sleep(poll_s if not stop else min(poll_s, 0.2))
-                progress.update(len(done_ids(spec.output.path)), 0)
-    except KeyboardInterrupt:
-        for p in procs:
-            p.terminate()
-        raise
+                progress.update(count_done(spec.output.path))
     finally:
         for p in procs:
             p.join()
-        progress.close()
+        progress.close(count_done(spec.output.path))
     codes = [p.exitcode for p in procs]
     summary = combine_summaries(spec, n, time.monotonic() - start)
     summary["worker_exit_codes"] = codes

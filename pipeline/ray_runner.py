@@ -1,27 +1,23 @@
 """`batchgen run --runner ray`: the same job spec on a Ray cluster through Ray Data.
 
-read_parquet -> drop ids already committed -> map_batches with one engine actor per device
-(each actor tokenizes its batch and runs our Engine) -> write_parquet. Ray writes each chunk
-into an attempt folder; its files move into output.path/ray/ only after the write finished, so
-a file in ray/ means its ids are done (the ledger idea), and a rerun skips them. The output
-schema is the local runner's.
+read_parquet (each input block read once) -> rows already done dropped by a semi-join against
+the rows to do -> map_batches with one engine actor per device (each actor tokenizes its batch
+and runs our Engine) -> the driver consumes the results as they stream out and commits them
+through the same OutputStore (parts + ledger) as the local runner. So a killed run resumes from
+its ledger, and `batchgen status` and `merge` read a Ray run's output like any other.
 
 On a cluster, set RAY_ADDRESS (or start the driver on a Ray node); each actor asks for one GPU
 when model.device is cuda (or auto with GPUs in the cluster), and the input path must be
-readable from every node (shared filesystem or object store).
+readable from every node (shared filesystem or object store). The driver holds the job's lock
+and writes the output.
 """
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import time
-import uuid
-from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from .config import JobSpec
 from .errors import BatchgenError, ConfigError
@@ -30,112 +26,132 @@ log = logging.getLogger("batchgen")
 
 
 class EngineActor:
-    """One engine per actor (per device): a batch of input rows in, output rows out."""
+    """One engine per actor (per device): a batch of input rows (with _pos, _shard) in, output
+    rows (with _pos) out."""
 
     def __init__(self, spec_data: dict) -> None:
-        from .job import engine_config
-        from .llm import Engine
-        from .models.loader import load_config, load_hf_model, load_tokenizer, resolve_model
+        from .job.prepare import prepare_job
+        from .job.run import load_engine
 
         self.spec = JobSpec.model_validate(spec_data)
-        source = resolve_model(self.spec.model.path)
-        self.tokenizer = load_tokenizer(source)
-        from .job import context_length
-
-        self.max_len = context_length(self.spec, load_config(source))
-        self.engine = Engine(load_hf_model(source), self.tokenizer, engine_config(self.spec),
-                             model_identity=source.identity)
+        self.job = prepare_job(self.spec, index=False)
+        self.engine = load_engine(self.job)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from .io.sources import Shard, _collect
-        from .job import ResultSink, RunStats, output_schema
-        from .llm import GenerationRequest
-        from .prepare import prepare_rows
+        from .io.sortmerge import group_starts
+        from .io.sources import window_from_table
+        from .job.run import generate_rows
 
         spec = self.spec
-        rows = _collect([(Shard("ray", "ray", batch.num_rows), batch)], spec.input)
-        prepared = prepare_rows(rows, spec, self.tokenizer, self.max_len)
-        collected: list[pa.Table] = []
+        win = window_from_table(spec.input, batch.drop_columns(["_pos", "_shard"]),
+                                batch.column("_pos").to_numpy(), batch.column("_shard").to_numpy())
+        prepared = self.job.preparer.prepare(win)
+        tables, positions = [], []
 
-        class _Collect:  # a store that keeps committed tables in memory for Ray to write
-            def commit(self, table, ids):
-                collected.append(table)
+        class _Collect:  # a store that keeps committed tables in memory for the driver to commit
+            def commit(self, table, ids, pos, shards):
+                tables.append(table)
+                counts = np.diff(np.append(group_starts(table.column("id")), table.num_rows))
+                positions.append(np.repeat(np.asarray(pos, dtype=np.int64), counts))
 
-        # One table per batch: Ray writes it; no flushing in between.
-        sink = ResultSink(_Collect(), spec, rows, RunStats(), rows_per_part=1 << 62)
-        for i, msg in sorted(prepared.errors.items()):
-            sink.add_error(rows.ids[i], msg)
-        reqs = (GenerationRequest(rows.ids[i], list(prepared.token_ids[i]), prepared.sampling[i]) for i in prepared.order)
-        for r in self.engine.generate(reqs):
-            sink.add(r.request_id, r.sample_index, r.text, r.finish_reason, r.error, r.prompt_tokens,
-                     r.completion_tokens, r.ttft_s, r.itl_s)
+        from .job.sink import ResultSink, RunStats
+
+        sink = ResultSink(_Collect(), spec, self.schema(batch), None, RunStats(), rows_per_part=1 << 62)
+        generate_rows(self.engine, [prepared], sink)
         sink.flush()
-        return pa.concat_tables(collected) if collected else output_schema(spec, rows).empty_table()
+        if not tables:
+            return self.schema(batch).empty_table().append_column("_pos", pa.array([], type=pa.int64()))
+        return pa.concat_tables(tables).append_column("_pos", pa.array(np.concatenate(positions)))
 
+    def schema(self, batch: pa.Table) -> pa.Schema:
+        from .job.sink import output_schema
 
-def _done_ids(out: Path, id_column: str = "id") -> set[str]:
-    ids: set[str] = set()
-    for f in sorted(out.glob("*.parquet")):
-        ids.update(pq.read_table(f, columns=[id_column]).column(id_column).to_pylist())
-    return ids
+        idc = self.spec.input.id_column
+        id_type = pa.int64() if pa.types.is_integer(batch.schema.field(idc).type) else pa.string()
+        return output_schema(self.spec, id_type, {c: batch.schema.field(c).type
+                                                  for c in self.spec.input.passthrough_columns})
 
 
 def run_ray(spec: JobSpec, restart: bool = False, limit: int | None = None, num_actors: int = 1,
-            chunk_rows: int = 4096, num_cpus: int | None = None) -> dict:
+            num_cpus: int | None = None) -> dict:
     try:
         import ray
         import ray.data
     except ImportError:
         raise ConfigError("--runner ray needs Ray: pip install 'batchgen[ray]'") from None
-    from .io.sources import _needed_columns, scan_parquet
+    import polars as pl
+
+    from .io.sortmerge import group_starts
+    from .io.sources import needed_columns
+    from .io.store import OutputStore, atomic_write_json
+    from .job.fingerprint import fingerprint
+    from .job.prepare import prepare_job
+    from .job.run import todo_positions
 
     if spec.input.format != "parquet" or spec.input.dataset is not None:
         raise ConfigError("--runner ray reads Parquet input (input.path); datasets and JSONL run locally")
     if not spec.input.id_column:
         raise ConfigError("--runner ray needs input.id_column: rows are split across actors, so ids cannot come "
                           "from shard + row index")
-    files = [s.path for s, _ in scan_parquet(spec.input)]  # checks files and columns before any actor starts
-    out = Path(spec.output.path) / "ray"
-    if restart:
-        shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("_attempt-*"):
-        shutil.rmtree(stale, ignore_errors=True)  # a killed run's unfinished write: not committed
-    done = _done_ids(out)
-    if not ray.is_initialized():
-        ray.init(num_cpus=num_cpus, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-    idc = spec.input.id_column
-    ds = ray.data.read_parquet(files).select_columns(_needed_columns(spec.input))
-    all_ids = [str(x) for f in files for x in pq.read_table(f, columns=[idc]).column(idc).to_pylist()]
-    todo = [i for i in all_ids if i not in done]
-    if limit is not None:
-        todo = todo[:limit]
-    if not todo:
-        log.info("nothing to do: all %d rows of %s are already done", len(all_ids), out)
-        return {"status": "already_complete", "rows_total": len(all_ids), "rows_done": len(done)}
-    gpus = 1 if spec.model.device == "cuda" or (spec.model.device == "auto" and ray.cluster_resources().get("GPU")) else 0
-    t0 = time.monotonic()
-    written = 0
-    for start in range(0, len(todo), chunk_rows):
-        chunk = pa.array(todo[start : start + chunk_rows])
-        part = ds.map_batches(lambda b, c=chunk: b.filter(pc.is_in(pc.cast(b.column(idc), pa.string()), value_set=c)),
-                              batch_format="pyarrow")
-        part = part.map_batches(EngineActor, fn_constructor_kwargs={"spec_data": spec.model_dump(mode="json")},
-                                batch_format="pyarrow", batch_size=max(64, spec.engine.max_num_seqs),
-                                concurrency=num_actors, num_gpus=gpus)
-        attempt = out / f"_attempt-{uuid.uuid4().hex[:8]}"
-        part.write_parquet(str(attempt))
-        for f in sorted(attempt.glob("*.parquet")):
-            os.replace(f, out / f"{attempt.name[9:]}-{f.name}")
-            written += 1
-        shutil.rmtree(attempt, ignore_errors=True)
-    done = _done_ids(out)
-    table = pa.concat_tables([pq.read_table(f) for f in sorted(out.glob("*.parquet"))], promote_options="default")
-    ok = table.column("error").null_count
-    summary = {"runner": "ray", "rows_total": len(all_ids), "rows_done": len(done), "rows_ok": ok,
-               "rows_error": table.num_rows - ok,
-               "completion_tokens": int(pc.sum(table.column("completion_tokens")).as_py() or 0),
-               "wall_s": round(time.monotonic() - t0, 2), "files_written": written}
-    if len(done) < len(all_ids) and limit is None:
-        raise BatchgenError(f"ray run finished with {len(all_ids) - len(done)} ids missing; rerun to resume")
-    return summary
+    job = prepare_job(spec)  # checks files, columns, ids and the model before any actor starts
+    index = job.index
+    store = OutputStore(spec.output.path)
+    store.acquire_lock()
+    try:
+        done = store.open(fingerprint(spec, index, job.model.identity, job.max_len), restart)
+        keep = todo_positions(job, done, limit)
+        if len(keep) == 0:
+            log.info("nothing to do: all %d rows of %s are already done", len(index), spec.output.path)
+            return {"status": "already_complete", "rows_total": len(index), "rows_done": len(done)}
+        if not ray.is_initialized():
+            ray.init(num_cpus=num_cpus, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+        idc = spec.input.id_column
+        todo = pl.DataFrame({idc: index.ids.take(pa.array(keep)), "_pos": keep,
+                             "_shard": index.shard_of[keep].astype(np.int64)})
+        todo_ref = ray.put(todo)
+
+        def drop_done(batch: pa.Table) -> pa.Table:
+            import polars as pl
+
+            table = ray.get(todo_ref)
+            b = pl.from_arrow(batch)
+            ids = b.select(pl.col(idc).cast(table.schema[idc]))
+            # Built on the batch, probing the to-do table: cheap whatever the input's size.
+            rows = table.join(ids, on=idc, how="semi")
+            return b.with_columns(pl.col(idc).cast(table.schema[idc])).join(rows, on=idc, how="inner").to_arrow()
+
+        gpus = 1 if spec.model.device == "cuda" or (spec.model.device == "auto" and ray.cluster_resources().get("GPU")) \
+            else 0
+        files = [s.path for s in index.shards]
+        ds = ray.data.read_parquet(files).select_columns(needed_columns(spec.input))
+        ds = ds.map_batches(drop_done, batch_format="pyarrow")
+        ds = ds.map_batches(EngineActor, fn_constructor_kwargs={"spec_data": spec.model_dump(mode="json")},
+                            batch_format="pyarrow", batch_size=max(64, spec.engine.max_num_seqs),
+                            concurrency=num_actors, num_gpus=gpus)
+        t0 = time.monotonic()
+        names = [s.name for s in index.shards]
+        rows = errors = tokens = 0
+        for out in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            if not out.num_rows:
+                continue
+            firsts = pa.array(group_starts(out.column("_pos")))
+            pos = out.column("_pos").take(firsts).to_pylist()
+            table = out.drop_columns(["_pos"])
+            shards: dict[str, int] = {}
+            for p in pos:
+                shards[names[int(index.shard_of[p])]] = shards.get(names[int(index.shard_of[p])], 0) + 1
+            store.commit(table, table.column("id").take(firsts).to_pylist(), pos, shards)
+            rows += len(pos)
+            failed = table.filter(table.column("error").is_valid()).column("id").to_pylist()
+            errors += len(set(failed))
+            tokens += sum(table.column("completion_tokens").to_pylist())
+        rows_done = len(done) + rows
+        summary = {"runner": "ray", "rows_total": len(index), "rows_done": rows_done, "rows_ok": rows - errors,
+                   "rows_error": errors, "completion_tokens": tokens,
+                   "wall_s": round(time.monotonic() - t0, 2), "complete": rows_done == len(index)}
+        atomic_write_json(store.root / "summary.json", summary)
+        if rows_done < len(index) and limit is None:
+            raise BatchgenError(f"ray run finished with {len(index) - rows_done} ids missing; rerun to resume")
+        return summary
+    finally:
+        store.release_lock()

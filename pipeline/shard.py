@@ -12,8 +12,10 @@ import hashlib
 import os
 from pathlib import Path
 
+import numpy as np
+
 from .errors import ConfigError
-from .io.sources import InputRows
+from .io.rows import InputIndex
 
 
 def parse_shard(text: str | None) -> tuple[int, int] | None:
@@ -36,19 +38,19 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
     return None
 
 
-def _id_bucket(row_id: str, n: int) -> int:
-    return int.from_bytes(hashlib.blake2b(row_id.encode(), digest_size=8).digest(), "little") % n
+def _id_bucket(row_id, n: int) -> int:
+    return int.from_bytes(hashlib.blake2b(str(row_id).encode(), digest_size=8).digest(), "little") % n
 
 
-def select_shard(rows: InputRows, shard: tuple[int, int] | None) -> InputRows:
+def select_shard(index: InputIndex, shard: tuple[int, int] | None) -> InputIndex:
     if shard is None:
-        return rows
+        return index
     i, n = shard
-    if len(rows.shards) >= n:
-        keep = [r for r, s in enumerate(rows.shard_of) if s % n == i]
+    if len(index.shards) >= n:
+        keep = np.flatnonzero(index.shard_of % n == i)
     else:
-        keep = [r for r, rid in enumerate(rows.ids) if _id_bucket(rid, n) == i]
-    return rows.subset(keep)
+        keep = np.array([k for k, rid in enumerate(index.ids.to_pylist()) if _id_bucket(rid, n) == i], dtype=np.int64)
+    return index.take(keep)
 
 
 def task_root(output_path: str, shard: tuple[int, int] | None) -> Path:
@@ -66,3 +68,45 @@ def all_roots(output_path: str) -> list[Path]:
     if tasks.is_dir():
         roots += sorted(p for p in tasks.iterdir() if (p / "_ledger").is_dir())
     return roots
+
+
+def task_sets(output_path: str) -> set[int]:
+    """Task counts with committed output under output.path (1 for an unsharded run)."""
+    root = Path(output_path)
+    sets = {1} if (root / "_ledger").is_dir() else set()
+    tasks = root / "tasks"
+    if tasks.is_dir():
+        sets |= {int(p.name.rsplit("-of-", 1)[1]) for p in tasks.iterdir()
+                 if (p / "_ledger").is_dir() and "-of-" in p.name}
+    return sets
+
+
+def check_task_layout(output_path: str, shard: tuple[int, int] | None, restart: bool) -> None:
+    """A run's task count must match the output's: task sets of two counts would each cover the
+    whole input. With --restart, other counts' output is removed (unless one of them is running)."""
+    from .errors import LockedError
+    from .io.store import OutputStore
+
+    n = shard[1] if shard else 1
+    other = sorted(task_sets(output_path) - {n})
+    if not other:
+        return
+    root = Path(output_path)
+    if not restart:
+        raise ConfigError(f"{output_path}: holds output of the same job split into {', '.join(map(str, other))} "
+                          f"task(s); this run is {'task ' + f'{shard[0]}/{n}' if shard else 'unsharded'}. Run with "
+                          f"the old count (--shard I/{other[0]}), or add --restart to discard that output and start "
+                          f"over with {n}")
+    stale = [r for r in all_roots(output_path) if (r == root and 1 in other) or
+             (r != root and int(r.name.rsplit("-of-", 1)[1]) in other)]
+    for r in stale:
+        if OutputStore(r).is_locked():
+            raise LockedError(f"{r}: a run of this job with another task count is running; not discarding it")
+    import shutil
+
+    for r in stale:
+        if r == root:
+            for sub in ("_ledger", "parts"):
+                shutil.rmtree(root / sub, ignore_errors=True)
+        else:
+            shutil.rmtree(r, ignore_errors=True)

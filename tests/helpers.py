@@ -58,3 +58,32 @@ def read_output(out_dir):
 
     files = sorted(glob.glob(f"{out_dir}/parts/*.parquet"))
     return pl.concat([pl.read_parquet(f) for f in files]) if files else None
+
+
+def engine_specs(**kw):
+    """(EngineSpec, ModelSpec) from one set of keywords: dtype and device go to the model section."""
+    from batchgen.config import EngineSpec, ModelSpec
+
+    model_kw = {k: kw.pop(k) for k in ("dtype", "device") if k in kw}
+    return EngineSpec(**kw), ModelSpec(**model_kw)
+
+
+def read_rows(input_spec):
+    """The whole input through the streaming reader: (index, one RowWindow holding every row)."""
+    import numpy as np
+
+    from batchgen.io.sources import open_input
+
+    src = open_input(input_spec)
+    index = src.index()
+    wins = list(src.windows(index, np.arange(len(index), dtype=np.int64), 1 << 30))
+    return index, (wins[0] if wins else None)
+
+
+def prepare_all(spec, tokenizer, max_len):
+    """Every row of a job prepared at once: ({pos: PreparedRow}, {pos: error message})."""
+    from batchgen.job.prepare import Preparer
+
+    index, win = read_rows(spec.input)
+    out = Preparer(spec, tokenizer, max_len, index).prepare(win)
+    return {r.pos: r for r in out.rows}, {e.pos: e.message for e in out.errors}

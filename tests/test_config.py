@@ -76,13 +76,13 @@ def test_example_jobs_validate():
 def test_output_schema_doc_matches_the_writer():
     import pyarrow as pa
 
-    from batchgen.io.sources import InputRows
-    from batchgen.job import output_schema
+    from batchgen.job.sink import output_schema
 
     doc = json.loads((REPO / "schemas" / "output.schema.json").read_text())
-    spec = JobSpec.model_validate({"input": {"path": "x"}, "output": {"path": "o"}, "sampling": {"n": 2}})
-    rows = InputRows(shards=[], ids=[], shard_of=[], row_in_shard=[], prompts=[], messages=None)
-    schema = output_schema(spec, rows)
+    # Every optional column at once: n > 1, truncation.
+    spec = JobSpec.model_validate({"input": {"path": "x"}, "output": {"path": "o"}, "sampling": {"n": 2},
+                                   "on_too_long": "truncate_left"})
+    schema = output_schema(spec, pa.string(), {})
     assert schema.names == list(doc["properties"])
-    types = {"string": pa.string(), "int32": pa.int32(), "double": pa.float64()}
+    types = {"string": pa.string(), "int32": pa.int32(), "double": pa.float64(), "bool": pa.bool_()}
     assert [types[p["x-arrow-type"]] for p in doc["properties"].values()] == schema.types

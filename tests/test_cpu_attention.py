@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from batchgen.kernels import cpu_attention as ca
+from batchgen.shapes import cdiv
 
 pytestmark = pytest.mark.skipif(not ca.available(), reason="no C++ compiler: the engine keeps the torch path")
 
@@ -10,7 +11,7 @@ pytestmark = pytest.mark.skipif(not ca.available(), reason="no C++ compiler: the
 def _case(heads, kvh, d, bs, lens, dtype, seed=0, lo=None):
     g = torch.Generator().manual_seed(seed)
     n = len(lens)
-    blocks = [-(-x // bs) for x in lens]
+    blocks = [cdiv(x, bs) for x in lens]
     nb = sum(blocks) + 3
     kc = torch.randn(nb, bs, kvh, d, generator=g).to(dtype)
     vc = torch.randn(nb, bs, kvh, d, generator=g).to(dtype)
@@ -72,7 +73,7 @@ def test_int8_cache_with_scales():
 def _prefill_case(heads, kvh, d, bs, chunks, dtype, seed=0):
     """chunks: (new tokens, start position) per sequence; blocks in random order."""
     g = torch.Generator().manual_seed(seed)
-    blocks = [-(-(n + s) // bs) for n, s in chunks]
+    blocks = [cdiv(n + s, bs) for n, s in chunks]
     nb = sum(blocks) + 3
     kc = torch.randn(nb, bs, kvh, d, generator=g).to(dtype)
     vc = torch.randn(nb, bs, kvh, d, generator=g).to(dtype)

@@ -1,10 +1,12 @@
 """The engine on tiny random Llama (GQA) and Qwen3 (q/k norm) models against transformers."""
+import os
+
 import pytest
 import torch
 
 from batchgen.engine.request import SamplingParams
-from batchgen.llm import Engine, EngineConfig, GenerationRequest
-from helpers import tiny_hf_model
+from batchgen.llm import Engine, GenerationRequest
+from helpers import engine_specs, tiny_hf_model
 
 FAMILIES = ["llama", "qwen3"]
 
@@ -33,7 +35,7 @@ def hf_greedy(model, ps, n_new):
 def engine(model, **kw):
     cfg = dict(kv_cache_gib=0.02)
     cfg.update(kw)
-    e = Engine(model, IdTokenizer(), EngineConfig(**cfg))
+    e = Engine(model, IdTokenizer(), *engine_specs(**cfg))
     return e
 
 
@@ -67,9 +69,9 @@ def test_greedy_matches_transformers_batched(family_model, reference, linear_pat
     _, model = family_model
     ps, ref = reference
     e = engine(model, linear_path=linear_path, decode_attention=decode_attention, attention_backend=backend)
-    assert e.attention_backend == backend
+    assert e.backend.attention == backend
     _assert_match(run(e, ps), ref)
-    e.kv_manager.pool.check_all_free()
+    e.kv_manager.check_all_free()
 
 
 def test_logits_in_row_chunks_give_the_same_tokens(family_model, reference, monkeypatch):
@@ -105,12 +107,12 @@ def test_auto_backend_on_cpu_is_the_cpp_op_and_falls_back_to_torch_without_it(fa
     from batchgen.kernels import cpu_attention
 
     _, model = family_model
-    assert engine(model).attention_backend == "cpu"
+    assert engine(model).backend.attention == "cpu"
     monkeypatch.setattr(cpu_attention, "available", lambda: False)
-    assert engine(model).attention_backend == "torch"
+    assert engine(model).backend.attention == "torch"
 
 
-def test_cuda_graph_decode_path_matches_transformers(family_model, reference):
+def test_cuda_graph_decode_path_matches_transformers(family_model, reference, monkeypatch):
     """The CUDA-graph decode path short of the capture itself (Triton's interpreter cannot be
     captured): static buffers padded to bucket sizes, padding rows writing no KV, logits sliced
     back. A padding row that wrote KV would corrupt a live sequence's block 0 and diverge."""
@@ -120,8 +122,15 @@ def test_cuda_graph_decode_path_matches_transformers(family_model, reference):
     assert bucket_sizes(256)[:5] == [1, 2, 4, 8, 16] and bucket_sizes(256)[-2:] == [240, 256]
     _, model = family_model
     ps, ref = reference
+    from batchgen.runner import build
+    from batchgen.shapes import cdiv
+
+    def emulated(spec, backend, device, model, kv_layers, max_model_len, window):
+        return DecodeGraphs(model, kv_layers, spec.max_num_seqs, cdiv(max_model_len, spec.block_size), window,
+                            emulate=True)
+
+    monkeypatch.setattr(build, "decode_graphs", emulated)
     e = engine(model, attention_backend="triton", max_num_seqs=6)
-    e.runner.graphs = DecodeGraphs(e.model, e.kv_cache.layers, 6, -(-e.max_model_len // 16), emulate=True)
     _assert_match(run(e, ps[:5]), ref[:5])
     g = e.runner.graphs
     assert g.replays >= 14 and g.padded_rows > 0 and e.counters()["cuda_graph_replays"] == g.replays
@@ -147,11 +156,11 @@ def test_tiny_kv_budget_preempts_and_gives_identical_output(family_model, refere
     ps, ref = reference
     # 12 blocks of 16 tokens: far less than the 8 prompts + 16 outputs want at once.
     e = engine(model)
-    e = Engine(model, IdTokenizer(), EngineConfig(kv_cache_gib=12 * 16 * e.kv_bytes_per_token / 2**30))
+    e = Engine(model, IdTokenizer(), *engine_specs(kv_cache_gib=12 * 16 * e.kv_bytes_per_token / 2**30))
     assert e.num_blocks == 12
     _assert_match(run(e, ps), ref)
     assert e.scheduler.stats.num_preemptions > 0
-    e.kv_manager.pool.check_all_free()
+    e.kv_manager.check_all_free()
 
 
 def test_prefix_cache_hits_give_identical_output(family_model):
@@ -165,7 +174,7 @@ def test_prefix_cache_hits_give_identical_output(family_model):
     assert {k: v.token_ids for k, v in r_on.items()} == {k: v.token_ids for k, v in r_off.items()}
     assert sum(r.cached_tokens for r in r_on.values()) >= 3 * 32, "later prompts reuse the shared 40-token prefix"
     assert sum(r.cached_tokens for r in r_off.values()) == 0
-    on.kv_manager.pool.check_all_free()
+    on.kv_manager.check_all_free()
 
 
 def test_seeded_sampling_is_identical_in_different_batch_mixes(family_model):
@@ -220,7 +229,7 @@ def test_triton_attention_path_matches_transformers(family_model, reference):
     ps, ref = reference
     e = engine(model, attention_backend="triton", max_num_batched_tokens=24)
     _assert_match(run(e, ps[:4]), ref[:4])
-    assert e.attention_backend == "triton"
+    assert e.backend.attention == "triton"
 
 
 @pytest.mark.parametrize("preemption", ["swap", "recompute", "auto"])
@@ -228,7 +237,7 @@ def test_cpu_tier_under_a_tiny_device_budget_gives_identical_output(family_model
     _, model = family_model
     ps, ref = reference
     per_block = engine(model).kv_bytes_per_token * 16
-    e = Engine(model, IdTokenizer(), EngineConfig(kv_cache_gib=12 * per_block / 2**30,
+    e = Engine(model, IdTokenizer(), *engine_specs(kv_cache_gib=12 * per_block / 2**30,
                                                   cpu_offload_gib=64 * per_block / 2**30, preemption=preemption))
     _assert_match(run(e, ps), ref)
     c = e.counters()
@@ -247,11 +256,11 @@ def test_evicted_prefix_blocks_spill_to_cpu_and_reload_on_a_hit(family_model):
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     per_block = engine(model).kv_bytes_per_token * 16
     cfg = dict(kv_cache_gib=6 * per_block / 2**30, max_num_seqs=1)
-    e = Engine(model, IdTokenizer(), EngineConfig(cpu_offload_gib=32 * per_block / 2**30, **cfg))
+    e = Engine(model, IdTokenizer(), *engine_specs(cpu_offload_gib=32 * per_block / 2**30, **cfg))
     # The shared prompt is cached, pushed out of the 6-block device pool by the others, then asked again.
     order = [shared + [5], others[0], others[1], shared + [9]]
     got = run(e, order, sp)
-    want = run(Engine(model, IdTokenizer(), EngineConfig(prefix_caching=False, **cfg)), order, sp)
+    want = run(Engine(model, IdTokenizer(), *engine_specs(prefix_caching=False, **cfg)), order, sp)
     assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in want.items()}
     c = e.counters()
     assert c["prefix_blocks_spilled"] > 0 and c["prefix_blocks_reloaded"] == 3
@@ -267,7 +276,7 @@ def test_quantised_kv_cache_stays_close_and_carries_scales_through_the_cpu_tier(
     ps, ref = reference
     base = engine(model)
     per_block = engine(model, kv_cache_dtype=kv_dtype).kv_bytes_per_token * 16
-    e = Engine(model, IdTokenizer(), EngineConfig(kv_cache_dtype=kv_dtype, kv_cache_gib=12 * per_block / 2**30,
+    e = Engine(model, IdTokenizer(), *engine_specs(kv_cache_dtype=kv_dtype, kv_cache_gib=12 * per_block / 2**30,
                                                   cpu_offload_gib=64 * per_block / 2**30, preemption="swap"))
     assert e.kv_bytes_per_token < base.kv_bytes_per_token / 2 and e.num_blocks == 12
     _assert_top5_close(e, engine(model), ps)
@@ -301,7 +310,7 @@ def test_fp8_kv_cache_stays_close(family_model, reference, backend):
     ps = ps if backend == "torch" else ps[:4]
     base = engine(model)
     e = engine(model, kv_cache_dtype="fp8", attention_backend=backend, max_num_batched_tokens=24)
-    assert e.kv_cache.layers[0][0].dtype == torch.float8_e4m3fn and e.attention_backend == backend
+    assert e.kv_cache.layers[0][0].dtype == torch.float8_e4m3fn and e.backend.attention == backend
     assert e.kv_bytes_per_token < base.kv_bytes_per_token / 2
     _assert_top5_close(e, base, ps)
     e.kv_manager.check_all_free()
@@ -311,7 +320,7 @@ def test_fp8_kv_is_refused_on_the_cpp_op_with_a_clear_error(family_model):
     from batchgen.errors import ConfigError
 
     _, model = family_model
-    assert engine(model, kv_cache_dtype="fp8").attention_backend == "torch"
+    assert engine(model, kv_cache_dtype="fp8").backend.attention == "torch"
     with pytest.raises(ConfigError, match="fp8 is for CUDA"):
         engine(model, kv_cache_dtype="fp8", attention_backend="cpu")
 
@@ -337,27 +346,63 @@ def test_cascade_decode_over_a_shared_prefix_matches_transformers(family_model, 
         assert res[(str(i), 0)].token_ids == want, f"prompt {i} diverged"
 
 
+def _rss_kib() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of the mapping holding addr, from /proc/self/smaps."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
 @pytest.mark.parametrize("off", ["0", "1"])
-def test_host_kv_tensors_are_zeroed_with_or_without_the_hugepage_hint(monkeypatch, off):
+def test_host_kv_memory_is_lazy_zeroed_and_asks_for_huge_pages(monkeypatch, off):
+    """The KV cache costs no time or resident memory until its blocks are written, reads as
+    zeros, and is advised for 2 MiB pages unless BATCHGEN_NO_HUGEPAGES=1."""
     from batchgen.runner.model_runner import host_zeros
 
     monkeypatch.setenv("BATCHGEN_NO_HUGEPAGES", off)
-    t = host_zeros((300, 16, 3, 64), torch.bfloat16)  # 5.6 MiB: spans at least one aligned 2 MiB page
-    assert t.shape == (300, 16, 3, 64) and t.dtype == torch.bfloat16 and t.is_contiguous()
-    assert not t.any()
-    t[-1, -1, -1, -1] = 1.0  # the whole range is writable memory
-    assert t.sum().item() == 1.0
+    before = _rss_kib()
+    t = host_zeros((4096, 16, 4, 256), torch.float32)  # 256 MiB
+    assert t.shape == (4096, 16, 4, 256) and t.is_contiguous() and t.data_ptr() % (2 << 20) == 0
+    assert _rss_kib() - before < 32 << 10, "nothing is resident before it is written"
+    assert not t[::97].any() and not t[-1].any()
+    t.fill_(1.0)
+    assert _rss_kib() - before > 200 << 10 and t.sum().item() == t.numel()
+    if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        assert ("hg" in _vm_flags(t.data_ptr())) == (off == "0")
 
 
-def test_keep_freed_memory_applies_on_glibc_and_can_be_turned_off(monkeypatch):
+def test_keep_freed_memory_keeps_large_buffers_on_the_heap():
+    """In a fresh glibc process a 20 MiB malloc is an mmap (freed straight back to the OS, and
+    page-faulted in again next time); after keep_freed_memory() it comes from the heap, which
+    keeps it. BATCHGEN_NO_MALLOPT=1 leaves glibc as it is."""
     import platform
+    import subprocess
+    import sys
 
-    from batchgen.runner.model_runner import keep_freed_memory
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+    code = ("import ctypes; from batchgen.runner.model_runner import keep_freed_memory; "
+            "libc = ctypes.CDLL(None); libc.sbrk.restype = ctypes.c_void_p; libc.malloc.restype = ctypes.c_void_p; "
+            "applied = keep_freed_memory(); p = libc.malloc(20 << 20); print(applied, p < libc.sbrk(0))")
+    out = {}
+    for flag in ("0", "1"):
+        env = dict(os.environ, BATCHGEN_NO_MALLOPT=flag)
+        out[flag] = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                   check=True).stdout.split()
+    assert out["0"] == ["True", "True"], "applied: the buffer came from the heap"
+    assert out["1"] == ["False", "False"], "not applied: glibc mmapped it"
 
-    monkeypatch.setenv("BATCHGEN_NO_MALLOPT", "1")
-    assert keep_freed_memory() is False
-    monkeypatch.delenv("BATCHGEN_NO_MALLOPT")
-    if platform.libc_ver()[0] == "glibc":
-        assert keep_freed_memory() is True
-        x = torch.ones(3 << 20, dtype=torch.uint8)  # above glibc's default mmap threshold
-        assert int(x.sum()) == 3 << 20
+

@@ -5,10 +5,8 @@ import pytest
 
 from batchgen.config import JobSpec
 from batchgen.errors import InputError
-from batchgen.io.sources import read_input
-from batchgen.models.loader import cache_root
-from batchgen.prepare import prepare_rows
-from helpers import read_output, write_job
+from batchgen.cache import cache_root
+from helpers import prepare_all, read_output, read_rows, write_job
 from test_pipeline import cli
 
 
@@ -22,19 +20,19 @@ def test_dataset_from_save_to_disk_and_from_data_files(tmp_path):
     ds = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"id": ["a", "b"], "prompt": ["x", "y"]}),
                                "test": datasets.Dataset.from_dict({"id": ["c"], "prompt": ["z"]})})
     ds.save_to_disk(str(tmp_path / "saved"))
-    rows = read_input(_spec(dataset={"path": str(tmp_path / "saved"), "split": "test"}, id_column="id").input)
-    assert rows.ids == ["c"] and rows.prompts == ["z"]
+    index, win = read_rows(_spec(dataset={"path": str(tmp_path / "saved"), "split": "test"}, id_column="id").input)
+    assert index.ids.to_pylist() == ["c"] and win.prompts == ["z"]
     with pytest.raises(InputError, match="'nope' not in"):
-        read_input(_spec(dataset={"path": str(tmp_path / "saved"), "split": "nope"}).input)
+        read_rows(_spec(dataset={"path": str(tmp_path / "saved"), "split": "nope"}).input)
     (tmp_path / "files").mkdir()
     (tmp_path / "files" / "d.jsonl").write_text('{"id": "j1", "prompt": "p1"}\n{"id": "j2", "prompt": "p2"}\n')
-    rows = read_input(_spec(dataset={"path": str(tmp_path / "files")}, id_column="id").input)
-    assert rows.ids == ["j1", "j2"] and rows.prompts == ["p1", "p2"]
+    index, win = read_rows(_spec(dataset={"path": str(tmp_path / "files")}, id_column="id").input)
+    assert index.ids.to_pylist() == ["j1", "j2"] and win.prompts == ["p1", "p2"]
 
 
 def test_unknown_hub_dataset_fails_offline_with_a_clear_message():
     with pytest.raises(InputError, match="cannot load 'no-such-user/no-such-dataset'.*offline"):
-        read_input(_spec(dataset={"path": "no-such-user/no-such-dataset"}).input)
+        read_rows(_spec(dataset={"path": "no-such-user/no-such-dataset"}).input)
 
 
 def test_messages_system_prompt_and_template_choices(tmp_path, smol_tokenizer):
@@ -44,21 +42,20 @@ def test_messages_system_prompt_and_template_choices(tmp_path, smol_tokenizer):
             None, [{"role": "user", "content": None}]]
     pq.write_table(pa.table({"id": ["a", "b", "c", "d"], "msgs": msgs}), p)
     spec = _spec(path=str(p), messages_column="msgs", id_column="id", system_prompt="You are a pirate.")
-    rows = read_input(spec.input)
-    prep = prepare_rows(rows, spec, smol_tokenizer, 8192)
-    text = {i: smol_tokenizer.decode(list(prep.token_ids[i])) for i in prep.order}
+    rows, errors = prepare_all(spec, smol_tokenizer, 8192)
+    text = {i: smol_tokenizer.decode(list(r.token_ids)) for i, r in rows.items()}
     assert "You are a pirate." in text[0] and "Hi there" in text[0] and text[0].endswith("<|im_start|>assistant\n")
     assert "Be terse." in text[1] and "pirate" not in text[1], "a row's own system message wins"
-    assert "messages are null" in prep.errors[2] and "message 0 needs string role and content" in prep.errors[3]
+    assert "messages are null" in errors[2] and "message 0 needs string role and content" in errors[3]
 
     q = tmp_path / "p.parquet"
     pq.write_table(pa.table({"id": ["a"], "prompt": ["Name a colour."]}), q)
     raw = _spec(path=str(q), id_column="id", chat_template=False, system_prompt="SYS")
-    prep = prepare_rows(read_input(raw.input), raw, smol_tokenizer, 8192)
-    assert smol_tokenizer.decode(list(prep.token_ids[0])) == "SYS\n\nName a colour."
+    rows, _ = prepare_all(raw, smol_tokenizer, 8192)
+    assert smol_tokenizer.decode(list(rows[0].token_ids)) == "SYS\n\nName a colour."
     templ = _spec(path=str(q), id_column="id")
-    prep = prepare_rows(read_input(templ.input), templ, smol_tokenizer, 8192)
-    assert smol_tokenizer.decode(list(prep.token_ids[0])).startswith("<|im_start|>system")
+    rows, _ = prepare_all(templ, smol_tokenizer, 8192)
+    assert smol_tokenizer.decode(list(rows[0].token_ids)).startswith("<|im_start|>system")
 
 
 def test_pipeline_runs_a_messages_job(tmp_path, tiny_model_dir):
@@ -98,7 +95,7 @@ def test_gguf_is_converted_once_into_the_cache(monkeypatch, tmp_path, smol_sourc
 def test_sort_groups_rows_that_share_a_long_prefix():
     from array import array
 
-    from batchgen.prepare import length_sorted_prefix_groups
+    from batchgen.job.prepare import length_sorted_prefix_groups
 
     few_shot = list(range(1000, 1200))
     ids = {0: array("i", [5] * 10), 1: array("i", few_shot + [1] * 50), 2: array("i", [7] * 150),

@@ -5,7 +5,7 @@ import pytest
 from typer.testing import CliRunner
 
 from batchgen.cli import app
-from helpers import read_output
+from helpers import engine_specs, read_output
 
 runner = CliRunner()
 
@@ -66,9 +66,10 @@ def test_sweep_writes_a_table_and_a_plot(tmp_path, tiny_model_dir):
 
 
 def test_latency_profile_caps_the_batch(tiny_model_dir):
-    from batchgen.llm import LATENCY_MAX_SEQS, Engine, EngineConfig
+    from batchgen.llm import Engine
+    from batchgen.runner.build import LATENCY_MAX_SEQS
     from helpers import tiny_hf_model
 
-    e = Engine(tiny_hf_model("llama"), None, EngineConfig(profile="latency", max_num_seqs=256, kv_cache_gib=0.01))
+    e = Engine(tiny_hf_model("llama"), None, *engine_specs(profile="latency", max_num_seqs=256, kv_cache_gib=0.01))
     assert e.config.max_num_seqs == LATENCY_MAX_SEQS and e.scheduler.config.max_num_seqs == LATENCY_MAX_SEQS
     assert e.counters()["profile"] == "latency"

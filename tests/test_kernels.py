@@ -10,6 +10,7 @@ from batchgen.kernels.block_copy import copy_blocks, copy_blocks_reference
 from batchgen.kernels.paged_decode import paged_decode, paged_decode_reference
 from batchgen.kernels.paged_prefill import paged_prefill, paged_prefill_reference
 from batchgen.kernels.store_kv import store_kv, store_kv_reference
+from batchgen.shapes import cdiv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SEED = int(__import__("os").environ.get("BATCHGEN_KERNEL_SEED", "5"))
@@ -35,11 +36,11 @@ def ragged_lengths(bs):
 
 def block_tables_for(lengths, bs, num_blocks, seed=1):
     g = torch.Generator().manual_seed(seed)
-    width = max(-(-n // bs) for n in lengths)
+    width = max(cdiv(n, bs) for n in lengths)
     perm = torch.randperm(num_blocks, generator=g)
     rows, used = [], 0
     for n in lengths:
-        need = -(-n // bs)
+        need = cdiv(n, bs)
         row = perm[used : used + need].tolist() + [0] * (width - need)
         used += need
         rows.append(row)
@@ -81,7 +82,7 @@ def test_store_kv_matches_reference_and_skips_padding(shape, dtype):
 def test_paged_decode(shape, dtype, window):
     kvh, ratio, d, bs = shape
     lengths = ragged_lengths(bs)
-    nblocks = sum(-(-n // bs) for n in lengths) + 4
+    nblocks = sum(cdiv(n, bs) for n in lengths) + 4
     kc, vc = make_cache(nblocks, bs, kvh, d, dtype)
     tables = block_tables_for(lengths, bs, nblocks)
     lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
@@ -101,7 +102,7 @@ def test_paged_prefill_with_cached_context(shape, dtype, window):
     # (cached tokens, new tokens): fresh prefills, a chunk after a prefix hit, a 1-token chunk.
     pairs = [(0, 1), (0, bs), (bs, bs + 3), (2 * bs - 1, 17), (5, 1)]
     totals = [c + n for c, n in pairs]
-    nblocks = sum(-(-t // bs) for t in totals) + 4
+    nblocks = sum(cdiv(t, bs) for t in totals) + 4
     kc, vc = make_cache(nblocks, bs, kvh, d, dtype)
     tables = block_tables_for(totals, bs, nblocks)
     cu = torch.tensor([0] + list(torch.tensor([n for _, n in pairs]).cumsum(0)), dtype=torch.int32, device=DEVICE)
@@ -194,7 +195,7 @@ def test_paged_decode_and_prefill_over_an_fp8_cache(shape, qdtype):
 
     kvh, ratio, d, bs = shape
     lengths = ragged_lengths(bs)
-    nblocks = sum(-(-n // bs) for n in lengths) + 4
+    nblocks = sum(cdiv(n, bs) for n in lengths) + 4
     kc, vc, ks, vs = fp8_cache(nblocks, bs, kvh, d)
     k32, v32 = dequantize(kc, ks), dequantize(vc, vs)
     tables = block_tables_for(lengths, bs, nblocks)

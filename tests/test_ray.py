@@ -13,6 +13,9 @@ def local_ray():
 
 def test_ray_runner_exactly_once_and_resume(tmp_path, tiny_model_dir, local_ray):
     import polars as pl
+    from typer.testing import CliRunner
+
+    from batchgen.cli import app
 
     from batchgen.config import load_job
     from batchgen.ray_runner import run_ray
@@ -24,13 +27,13 @@ def test_ray_runner_exactly_once_and_resume(tmp_path, tiny_model_dir, local_ray)
     assert first["rows_done"] == 5
     summary = run_ray(job)
     assert summary["rows_done"] == 9 and summary["rows_error"] == 1
-    df = pl.read_parquet(str(tmp_path / "out" / "ray" / "*.parquet"))
+    df = pl.read_parquet(str(tmp_path / "out" / "parts" / "*.parquet"))
     assert sorted(df["id"].to_list()) == [f"r{i:04d}" for i in range(9)]
     assert df.columns[:2] == ["id", "text"] and set(df.filter(pl.col("error").is_null())["completion_tokens"]) == {6}
+    # The driver committed through the same ledger as a local run: status and a local rerun agree.
+    r = CliRunner().invoke(app, ["status", str(tmp_path / "job.yaml")])
+    assert "total: 9/9" in r.output
     assert run_ray(job)["status"] == "already_complete"
-    from typer.testing import CliRunner
-
-    from batchgen.cli import app
 
     r = CliRunner().invoke(app, ["run", str(tmp_path / "job.yaml"), "--runner", "ray"])
     assert r.exit_code == 0 and "already complete" in r.output

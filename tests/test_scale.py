@@ -7,10 +7,9 @@ from typer.testing import CliRunner
 from batchgen.cli import app
 from batchgen.config import InputSpec
 from batchgen.errors import ConfigError
-from batchgen.io.sources import read_input
 from batchgen.io.store import OutputStore
 from batchgen.shard import parse_shard, select_shard
-from helpers import read_output, write_job, write_prompts
+from helpers import engine_specs, read_output, read_rows, write_job, write_prompts
 
 runner = CliRunner()
 
@@ -18,13 +17,13 @@ runner = CliRunner()
 def test_shards_are_disjoint_and_cover_the_input(tmp_path):
     for k in range(3):
         write_prompts(tmp_path / f"s{k}.parquet", n=5, id_prefix=f"f{k}-")
-    rows = read_input(InputSpec(path=str(tmp_path), id_column="id"))
+    index, _ = read_rows(InputSpec(path=str(tmp_path), id_column="id"))
     for n in (2, 3, 5):  # files >= N: whole files; N=5 > 3 files: rows by id hash
-        parts = [select_shard(rows, (i, n)).ids for i in range(n)]
+        parts = [select_shard(index, (i, n)).ids.to_pylist() for i in range(n)]
         flat = [x for p in parts for x in p]
-        assert sorted(flat) == sorted(rows.ids) and len(flat) == len(set(flat))
-        assert parts == [select_shard(rows, (i, n)).ids for i in range(n)], "stable across calls"
-    assert set(select_shard(rows, (1, 3)).ids) == {f"f1-{i:04d}" for i in range(5)}
+        assert sorted(flat) == sorted(index.ids.to_pylist()) and len(flat) == len(set(flat))
+        assert parts == [select_shard(index, (i, n)).ids.to_pylist() for i in range(n)], "stable across calls"
+    assert set(select_shard(index, (1, 3)).ids.to_pylist()) == {f"f1-{i:04d}" for i in range(5)}
 
 
 def test_parse_shard_from_flag_and_slurm(monkeypatch):
@@ -58,7 +57,7 @@ def test_stop_drains_running_requests_and_admits_no_more():
     import torch
 
     from batchgen.engine.request import SamplingParams
-    from batchgen.llm import Engine, EngineConfig, GenerationRequest
+    from batchgen.llm import Engine, GenerationRequest
     from helpers import tiny_hf_model
 
     class Tok:
@@ -67,13 +66,13 @@ def test_stop_drains_running_requests_and_admits_no_more():
         def decode(self, ids, skip_special_tokens=True):
             return ""
 
-    e = Engine(tiny_hf_model("llama"), Tok(), EngineConfig(max_num_seqs=2, kv_cache_gib=0.01))
+    e = Engine(tiny_hf_model("llama"), Tok(), *engine_specs(max_num_seqs=2, kv_cache_gib=0.01))
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     reqs = [GenerationRequest(str(i), torch.arange(3, 10).tolist(), sp) for i in range(6)]
     steps = iter(range(10_000))
     out = list(e.generate(reqs, should_stop=lambda: next(steps) >= 3, grace_s=60))
     assert len(out) == 2 and all(r.completion_tokens == 6 for r in out), "the two running requests finished"
-    out = list(Engine(tiny_hf_model("llama"), Tok(), EngineConfig(max_num_seqs=2, kv_cache_gib=0.01)).generate(
+    out = list(Engine(tiny_hf_model("llama"), Tok(), *engine_specs(max_num_seqs=2, kv_cache_gib=0.01)).generate(
         reqs, should_stop=lambda: True, grace_s=0))
     assert out == []
 

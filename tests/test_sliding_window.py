@@ -1,10 +1,10 @@
 """Circular (sliding-window) KV: a tiny Mistral with a window shorter than its prompts."""
 import pytest
-import torch
 
 from batchgen.engine.request import SamplingParams
-from batchgen.llm import Engine, EngineConfig, GenerationRequest
-from helpers import tiny_hf_model
+from batchgen.llm import Engine, GenerationRequest
+from batchgen.shapes import cdiv
+from helpers import engine_specs, tiny_hf_model
 from test_engine import IdTokenizer, hf_greedy, prompts
 
 
@@ -16,9 +16,8 @@ def windowed(request):
 
 
 def _run(model, ps, **cfg):
-    e = Engine(model, IdTokenizer(), EngineConfig(kv_cache_gib=0.02, **cfg))
+    e = Engine(model, IdTokenizer(), *engine_specs(kv_cache_gib=0.02, **cfg))
     sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    peak = {}
     res = {}
     gen = e.generate(GenerationRequest(str(i), p, sp) for i, p in enumerate(ps))
     for r in gen:
@@ -41,8 +40,8 @@ def test_window_matches_transformers(windowed, cfg):
 
 def test_window_bounds_kv_per_sequence(windowed):
     window, model, ps, _ = windowed
-    e = Engine(model, IdTokenizer(), EngineConfig(kv_cache_gib=0.02, max_num_seqs=1, max_num_batched_tokens=16))
+    e = Engine(model, IdTokenizer(), *engine_specs(kv_cache_gib=0.02, max_num_seqs=1, max_num_batched_tokens=16))
     sp = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     list(e.generate([GenerationRequest("long", ps[3], sp)]))  # 100 + 60 tokens = 10 blocks without a window
-    bound = -(-(window + 16) // 16) + 1
+    bound = cdiv(window + 16, 16) + 1
     assert e.scheduler.stats.peak_kv_blocks <= bound < 10

@@ -5,10 +5,10 @@ from typer.testing import CliRunner
 
 from batchgen.cli import app
 from batchgen.engine.request import SamplingParams
-from batchgen.llm import Engine, EngineConfig, GenerationRequest
+from batchgen.llm import Engine, GenerationRequest
 from batchgen.workload import sample_sharegpt
 from conftest import REPO
-from helpers import read_output
+from helpers import engine_specs, read_output
 
 N_PROMPTS, N_NEW, TOP = 20, 32, 5
 
@@ -53,10 +53,10 @@ def reference(hf_model, workload):
 
 
 def generate(hf_model, tokenizer, workload, **cfg):
-    e = Engine(hf_model, tokenizer, EngineConfig(kv_cache_gib=0.5, **cfg))
+    e = Engine(hf_model, tokenizer, *engine_specs(kv_cache_gib=0.5, **cfg))
     sp = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True, logprobs=TOP)
     res = {r.request_id: r for r in e.generate(GenerationRequest(str(i), p, sp) for i, p in enumerate(workload))}
-    e.kv_manager.pool.check_all_free()
+    e.kv_manager.check_all_free()
     return [(res[str(i)].token_ids, [top for _, top in res[str(i)].logprobs]) for i in range(len(workload))]
 
 

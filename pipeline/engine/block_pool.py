@@ -18,7 +18,6 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-
 # Block states: used, free (in the free queue, no cached content), free holding a cached
 # prefix block (in the free queue), reserved (free, in the reserved queue).
 _USED, _FREE, _FREE_CACHED, _RESERVED = 0, 1, 2, 3

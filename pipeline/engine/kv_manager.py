@@ -8,18 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..shapes import cdiv
 from .block_pool import Block, BlockPool, hash_block
 from .request import Request
-
 
 # Most blocks a new sequence reserves beyond what it needs now (its expected growth).
 RUN_SLACK = 128
 # Prefix-cache hit rate (of prompt tokens) above which runs leave cached blocks alone.
 RUN_EVICT_MAX_HIT_RATE = 0.01
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -69,6 +65,14 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    @property
+    def num_evictions(self) -> int:
+        return self.pool.num_evictions
 
     def usage(self) -> float:
         return self.pool.num_used_blocks / self.pool.num_blocks

@@ -4,29 +4,42 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling options (vLLM's names)."""
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    # 0 disables top-k.
-    top_k: int = 0
-    min_p: float = 0.0
-    # A seed makes the sample depend only on (seed, position), never on the batch.
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
+class SamplingParams(BaseModel):
+    """Per-request sampling options (vLLM's names), validated once where they are made: the
+    job spec's `sampling:` section is this model (with the job's defaults), and per-row
+    overrides go through `with_overrides`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, description="Per-row seeds derive from it and the row id: same text in any batch")
+    stop: tuple[str, ...] = Field((), description="Stop strings (not included in the text)")
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    n: int = 1
-    # Number of top log-probabilities to return per generated token (0: none).
-    logprobs: int = 0
+    n: int = Field(1, ge=1, description="Samples per row; each sample is its own output row with sample_index")
+    logprobs: int = Field(0, ge=0, le=20, description="Top log-probabilities returned per generated token (0: none)")
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    def with_overrides(self, changes: dict) -> "SamplingParams":
+        """A copy with user-given changes, validated by the same rules (ValidationError)."""
+        return type(self).model_validate({**self.__dict__, **changes})
 
 
 class RequestStatus(enum.Enum):

@@ -40,6 +40,8 @@ class SchedulerStats:
     num_recompute_preemptions: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    # Tokens sampled (generated) so far, every request and sample together.
+    generated_tokens: int = 0
     peak_running: int = 0
     peak_kv_blocks: int = 0
 
@@ -189,7 +191,7 @@ class Scheduler:
             else:
                 s.prefill_tokens += len(seq.token_ids)
         s.peak_running = max(s.peak_running, len(self.running))
-        s.peak_kv_blocks = max(s.peak_kv_blocks, self.kv.pool.num_used_blocks)
+        s.peak_kv_blocks = max(s.peak_kv_blocks, self.kv.num_used_blocks)
 
     # -- results ---------------------------------------------------------------------------
 
@@ -210,6 +212,7 @@ class Scheduler:
                 continue
             req.output_token_ids.append(tok.token_id)
             req.token_times.append(now)
+            self.stats.generated_tokens += 1
             if tok.logprob is not None:
                 req.logprobs.append((tok.logprob, tok.top_logprobs or {}))
             touched.append(req)

@@ -1,21 +1,35 @@
 """OpenAI Batch API files: JSONL requests in, results and errors JSONL out.
 
 A request line: {"custom_id": ..., "method": "POST", "url": "/v1/chat/completions",
-"body": {"messages": [...], "max_tokens": N, "temperature": t, "top_p": p, "stop": s, "seed": k}}.
-A malformed line becomes an error row naming its file and line number; the job goes on.
+"body": {"model": ..., "messages": [...], "max_tokens": N, "temperature": t, "top_p": p, "stop": s,
+"seed": k, "n": n, "logprobs": true, "top_logprobs": k, "response_format": {...}}}.
+A malformed line, or a body field we would not honour, becomes an error row naming its file,
+line and field; the job goes on.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterator
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..config import InputSpec
 from ..errors import InputError
-from .sources import InputRows, Shard, resolve_jsonl_paths, shard_names
+from .rows import InputIndex, RowWindow, Shard, build_index, resolve_paths, shard_names
 
-_OVERRIDES = {"max_tokens": int, "temperature": float, "top_p": float, "seed": int}
+# body field -> (sampling field, type) honoured per row.
+_OVERRIDES = {"max_tokens": ("max_tokens", int), "max_completion_tokens": ("max_tokens", int),
+              "temperature": ("temperature", float), "top_p": ("top_p", float), "seed": ("seed", int),
+              "n": ("n", int)}
+# Fields that do not change what is generated: the job's model answers whatever `model` names.
+_INFORMATIONAL = {"model", "user", "metadata", "store", "service_tier"}
+# Fields accepted at their neutral value only.
+_NEUTRAL = {"frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "logit_bias": (None,),
+            "stream": (False, None), "parallel_tool_calls": (None,), "stream_options": (None,)}
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "n", "logprobs", "stop", "response_format")
 
 
 def _parse_line(line: str, where: str) -> tuple[str | None, dict | str]:
@@ -37,78 +51,204 @@ def _parse_line(line: str, where: str) -> tuple[str | None, dict | str]:
     return cid, body
 
 
-def read_openai_batch(spec: InputSpec) -> InputRows:
-    files = resolve_jsonl_paths(spec.paths)
-    names = shard_names(files)
-    rows = InputRows(shards=[], ids=[], shard_of=[], row_in_shard=[], prompts=None, messages=[])
-    for fld in list(_OVERRIDES) + ["stop"]:
-        rows.overrides[fld] = []
-    seen: dict[str, str] = {}
-    for si, (name, path) in enumerate(zip(names, files)):
+def _text_content(content, where: str, j: int):
+    """A message's content as one string: a string, or a list of {type: text, text} parts
+    (joined by newlines, as vLLM does). Other part types are refused."""
+    if isinstance(content, str) or content is None:
+        return content
+    if isinstance(content, list):
+        texts = []
+        for k, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"{where}: body.messages[{j}].content[{k}] has type {kind!r}; only text parts "
+                                 "are supported")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ValueError(f"{where}: body.messages[{j}].content must be a string or a list of text parts")
+
+
+def parse_body(body: dict, where: str) -> tuple[list | None, dict]:
+    """(messages, sampling overrides) of one request body; ValueError names a field we cannot honour."""
+    for key, value in body.items():
+        if key in _OVERRIDES or key in _INFORMATIONAL or key in ("messages", "stop", "logprobs", "top_logprobs",
+                                                                   "response_format"):
+            continue
+        if key in _NEUTRAL and (value == {} if isinstance(value, dict) else value in _NEUTRAL[key]):
+            continue
+        raise ValueError(f"{where}: body.{key} is not supported (batchgen honours messages, "
+                         f"{', '.join(sorted(set(_OVERRIDES) | {'stop', 'logprobs', 'top_logprobs', 'response_format'}))})")
+    msgs = body.get("messages")
+    if isinstance(msgs, list):
+        msgs = [dict(m, content=_text_content(m.get("content"), where, j)) if isinstance(m, dict) else m
+                for j, m in enumerate(msgs)]
+    out: dict = {}
+    for key, (fld, typ) in _OVERRIDES.items():
+        v = body.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and float(v) != int(v)):
+            raise ValueError(f"{where}: body.{key} {v!r} is not {'an integer' if typ is int else 'a number'}")
+        out[fld] = typ(v)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not (isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)):
+            raise ValueError(f"{where}: body.stop must be a string or a list of non-empty strings")
+        out["stop"] = tuple(stop)
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if lp not in (None, True, False):
+        raise ValueError(f"{where}: body.logprobs must be true or false")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
+        raise ValueError(f"{where}: body.top_logprobs {top!r} is not an integer")
+    if top is not None and not lp:
+        raise ValueError(f"{where}: body.top_logprobs needs body.logprobs: true")
+    if lp:
+        out["logprobs"] = top or 0
+    if body.get("response_format") is not None:
+        out["response_format"] = body["response_format"]
+    return msgs, out
+
+
+class OpenAIBatchSource:
+    """One shard per JSONL file; a row per non-empty line (its line number is its row)."""
+
+    def __init__(self, spec: InputSpec) -> None:
+        self.spec = spec
+        self.files = resolve_jsonl_paths(spec.paths)
+        self.names = shard_names(self.files)
+        self.passthrough_types: dict[str, pa.DataType] = {}
+        self._lines: list[list[int]] = []
+        self.shards: list[Shard] = []
+        self._ids: list[list[str]] = []
+        for name, path in zip(self.names, self.files):
+            lines, ids = [], []
+            for n, line in self._read(path):
+                cid, _ = _parse_line(line, "")
+                lines.append(n)
+                ids.append(cid if cid is not None else f"{name}:line{n}")
+            self._lines.append(lines)
+            self._ids.append(ids)
+            self.shards.append(Shard(name, str(path), len(lines)))
+
+    @staticmethod
+    def _read(path: Path) -> Iterator[tuple[int, str]]:
         try:
-            lines = path.read_text(encoding="utf-8").splitlines()
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, start=1):
+                    if line.strip():
+                        yield n, line
         except (OSError, UnicodeDecodeError) as e:
             raise InputError(f"{path}: cannot read ({e})") from None
-        count = 0
-        for n, line in enumerate(lines, start=1):
-            if not line.strip():
+
+    def index(self) -> InputIndex:
+        arrays = [pa.array(ids, type=pa.large_string()) for ids in self._ids]
+        index = build_index(self.shards, arrays, "custom_id")
+        # Rows are named by their line numbers.
+        index.row_in_shard = np.concatenate([np.array(ls, dtype=np.int64) for ls in self._lines]) if self._lines \
+            else np.zeros(0, np.int64)
+        return index
+
+    def windows(self, index: InputIndex, keep: np.ndarray, window_rows: int) -> Iterator[RowWindow]:
+        win = self._new()
+        wanted = {}
+        for p in keep.tolist():
+            wanted.setdefault(int(index.shard_of[p]), {})[int(index.row_in_shard[p])] = p
+        for si, path in enumerate(self.files):
+            lines = wanted.get(si)
+            if not lines:
                 continue
-            where = f"{path}, line {n}"
-            cid, body = _parse_line(line, where)
-            rid = cid if cid is not None else f"{name}:line{n}"
-            if rid in seen:
-                raise InputError(f"{where}: duplicate custom_id {rid!r} (first seen at {seen[rid]})")
-            seen[rid] = where
-            i = len(rows.ids)
-            rows.ids.append(rid)
-            rows.shard_of.append(si)
-            rows.row_in_shard.append(n)
-            if isinstance(body, str):
-                rows.errors[i] = body
-                body = {}
-            rows.messages.append(body.get("messages"))
-            for fld, typ in _OVERRIDES.items():
-                v = body.get(fld, body.get("max_completion_tokens") if fld == "max_tokens" else None)
-                try:
-                    rows.overrides[fld].append(typ(v) if v is not None else None)
-                except (TypeError, ValueError):
-                    rows.overrides[fld].append(None)
-                    rows.errors.setdefault(i, f"{where}: body.{fld} {v!r} is not a {typ.__name__}")
-            stop = body.get("stop")
-            if isinstance(stop, str):
-                stop = [stop]
-            if stop is not None and not (isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)):
-                rows.errors.setdefault(i, f"{where}: body.stop must be a string or a list of non-empty strings")
-                stop = None
-            rows.overrides["stop"].append(tuple(stop) if stop else None)
-            count += 1
-        rows.shards.append(Shard(name, str(path), count))
-    return rows
+            for n, line in self._read(path):
+                p = lines.get(n)
+                if p is None:
+                    continue
+                self._add(win, p, index.ids[p].as_py(), si, line, f"{path}, line {n}")
+                if len(win) >= window_rows:
+                    yield win
+                    win = self._new()
+        if len(win):
+            yield win
+
+    @staticmethod
+    def _new() -> RowWindow:
+        return RowWindow(pos=[], ids=[], shard=[], messages=[], overrides={f: [] for f in _SAMPLING_FIELDS})
+
+    @staticmethod
+    def _add(win: RowWindow, pos: int, rid: str, shard: int, line: str, where: str) -> None:
+        k = len(win.pos)
+        win.pos.append(pos)
+        win.ids.append(rid)
+        win.shard.append(shard)
+        _, body = _parse_line(line, where)
+        msgs, over = None, {}
+        if isinstance(body, str):
+            win.errors[k] = body
+        else:
+            try:
+                msgs, over = parse_body(body, where)
+            except ValueError as e:
+                win.errors[k] = str(e)
+        win.messages.append(msgs)
+        for f in _SAMPLING_FIELDS:
+            win.overrides[f].append(over.get(f))
+
+
+def resolve_jsonl_paths(paths: list[str]) -> list[Path]:
+    return resolve_paths(paths, suffix=".jsonl")
+
+
+def _logprobs_content(entries) -> list[dict] | None:
+    """Our logprobs column ([{token, logprob, top: [{token, logprob}]}]) in OpenAI's shape."""
+    if entries is None:
+        return None
+    return [{"token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode("utf-8")),
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode("utf-8"))}
+                              for t in (e.get("top") or [])]} for e in entries]
+
+
+def _request_records(rows: list[dict], model_name: str) -> Iterator[tuple[bool, dict]]:
+    """(ok, record) per request id of one part's rows (all samples of an id sit in one part)."""
+    by_id: dict = {}
+    for r in rows:
+        by_id.setdefault(r["id"], []).append(r)
+    for rid, samples in by_id.items():
+        failed = next((r for r in samples if r["error"] is not None), None)
+        if failed is not None:
+            yield False, {"id": f"batch_req_{rid}", "custom_id": rid, "response": None,
+                          "error": {"code": "invalid_request", "message": failed["error"]}}
+            continue
+        choices = []
+        for r in sorted(samples, key=lambda r: r.get("sample_index") or 0):
+            choice = {"index": r.get("sample_index") or 0, "finish_reason": r["finish_reason"],
+                      "message": {"role": "assistant", "content": r["text"]}}
+            if "logprobs" in r:
+                choice["logprobs"] = {"content": _logprobs_content(r["logprobs"])} if r["logprobs"] is not None else None
+            choices.append(choice)
+        prompt = samples[0]["prompt_tokens"]
+        completion = sum(r["completion_tokens"] for r in samples)
+        body = {"object": "chat.completion", "model": model_name, "choices": choices,
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+        yield True, {"id": f"batch_req_{rid}", "custom_id": rid,
+                     "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 
 
 def write_openai_results(part_files: list[Path], out_dir: Path, model_name: str) -> tuple[int, int]:
-    """results.jsonl and errors.jsonl from the committed parts (atomically); returns their line counts."""
+    """results.jsonl and errors.jsonl from the committed parts (atomically, a part at a time),
+    one line per request with all its choices; returns their line counts."""
     from .store import atomic_write
 
-    ok, bad = [], []
-    for f in part_files:
-        for r in pq.read_table(f).to_pylist():
-            rid = r["id"]
-            if r["error"] is None:
-                body = {"object": "chat.completion", "model": model_name,
-                        "choices": [{"index": r.get("sample_index") or 0, "finish_reason": r["finish_reason"],
-                                     "message": {"role": "assistant", "content": r["text"]}}],
-                        "usage": {"prompt_tokens": r["prompt_tokens"], "completion_tokens": r["completion_tokens"],
-                                  "total_tokens": r["prompt_tokens"] + r["completion_tokens"]}}
-                ok.append({"id": f"batch_req_{rid}", "custom_id": rid,
-                           "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None})
-            else:
-                bad.append({"id": f"batch_req_{rid}", "custom_id": rid, "response": None,
-                            "error": {"code": "invalid_request", "message": r["error"]}})
+    counts = [0, 0]
 
-    def dump(records):
-        return "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in records).encode()
+    def write(ok: bool):
+        def go(fh):
+            for f in part_files:
+                for good, rec in _request_records(pq.read_table(f).to_pylist(), model_name):
+                    if good == ok:
+                        fh.write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
+                        counts[0 if ok else 1] += 1
+        return go
 
-    atomic_write(out_dir / "results.jsonl", lambda fh: fh.write(dump(ok)))
-    atomic_write(out_dir / "errors.jsonl", lambda fh: fh.write(dump(bad)))
-    return len(ok), len(bad)
+    atomic_write(out_dir / "results.jsonl", write(True))
+    atomic_write(out_dir / "errors.jsonl", write(False))
+    return counts[0], counts[1]

@@ -1,96 +1,46 @@
-"""Read the job's input rows from Parquet shards or a Hugging Face dataset, checking columns
-and types up front so that bad input fails before the model loads."""
+"""Read the job's input: Parquet shards, a Hugging Face dataset or OpenAI Batch JSONL.
+
+`open_input(spec)` checks every file's schema up front (so bad input fails before the model
+loads) without reading data. `index()` then reads only the id column; `windows()` reads the
+rows to run a bounded window at a time, so memory follows the window, not the input.
+"""
 from __future__ import annotations
 
-import glob as globlib
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator, Protocol
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..config import InputSpec
 from ..errors import InputError
+from .rows import (
+    OUTPUT_COLUMNS,
+    InputIndex,
+    RowWindow,
+    Shard,
+    build_index,
+    generated_ids,
+    normalise_ids,
+    resolve_paths,
+    shard_names,
+)
 
-OUTPUT_COLUMNS = ("id", "sample_index", "text", "finish_reason", "error", "prompt_tokens", "completion_tokens",
-                  "ttft_s", "itl_s")
-_INT_FIELDS = {"max_tokens", "top_k", "seed"}
+_INT_FIELDS = {"max_tokens", "top_k", "seed", "n", "logprobs"}
 
 
-@dataclass
-class Shard:
-    name: str
-    path: str
-    num_rows: int
-
-
-@dataclass
-class InputRows:
+class InputSource(Protocol):
     shards: list[Shard]
-    ids: list[str]
-    # Index of each row's shard in `shards`.
-    shard_of: list[int]
-    # Row index inside its shard (for error messages).
-    row_in_shard: list[int]
-    prompts: list | None  # list[str | None] when prompt_column is used
-    messages: list | None  # list[list[dict] | None] when messages_column is used
-    passthrough: dict[str, tuple[pa.DataType, list]] = field(default_factory=dict)
-    overrides: dict[str, list] = field(default_factory=dict)
-    # Rows known bad while reading (e.g. a malformed JSONL line): row index -> message.
-    errors: dict[int, str] = field(default_factory=dict)
+    # Types of the pass-through columns, for the output schema.
+    passthrough_types: dict[str, pa.DataType]
 
-    def __len__(self) -> int:
-        return len(self.ids)
+    def index(self) -> InputIndex: ...
 
-    def subset(self, keep: list[int]) -> "InputRows":
-        """The rows at `keep` (in order); shards are kept whole so their names stay stable."""
-        pos = {old: new for new, old in enumerate(keep)}
-        return InputRows(
-            shards=self.shards, ids=[self.ids[i] for i in keep], shard_of=[self.shard_of[i] for i in keep],
-            row_in_shard=[self.row_in_shard[i] for i in keep],
-            prompts=[self.prompts[i] for i in keep] if self.prompts is not None else None,
-            messages=[self.messages[i] for i in keep] if self.messages is not None else None,
-            passthrough={c: (t, [v[i] for i in keep]) for c, (t, v) in self.passthrough.items()},
-            overrides={f: [v[i] for i in keep] for f, v in self.overrides.items()},
-            errors={pos[i]: m for i, m in self.errors.items() if i in pos})
-
-    def where(self, i: int) -> str:
-        s = self.shards[self.shard_of[i]]
-        return f"{s.path}, row {self.row_in_shard[i]} (id {self.ids[i]!r})"
-
-
-def resolve_jsonl_paths(paths: list[str]) -> list[Path]:
-    return resolve_paths(paths, suffix=".jsonl")
-
-
-def resolve_paths(paths: list[str], suffix: str = ".parquet") -> list[Path]:
-    """Expand files, globs and directories into a sorted, de-duplicated list of input files."""
-    out: list[Path] = []
-    for p in paths:
-        if any(c in p for c in "*?["):
-            matches = sorted(Path(m) for m in globlib.glob(p, recursive=True) if os.path.isfile(m))
-            if not matches:
-                raise InputError(f"input.path: the glob {p!r} matches no file (relative to {os.getcwd()})")
-            out.extend(matches)
-        elif os.path.isdir(p):
-            matches = sorted(Path(p).rglob(f"*{suffix}"))
-            if not matches:
-                raise InputError(f"input.path: the directory {p!r} holds no {suffix} file")
-            out.extend(matches)
-        elif os.path.isfile(p):
-            out.append(Path(p))
-        else:
-            raise InputError(f"input.path: {p!r} not found (relative to {os.getcwd()})")
-    seen: set[Path] = set()
-    return [p for p in out if not (p.resolve() in seen or seen.add(p.resolve()))]
-
-
-def shard_names(files: list[Path]) -> list[str]:
-    stems = [f.stem for f in files]
-    if len(set(stems)) == len(stems):
-        return stems
-    return [str(f.with_suffix("")) for f in files]
+    def windows(self, index: InputIndex, keep: np.ndarray, window_rows: int) -> Iterator[RowWindow]:
+        """The rows at index positions `keep` (ascending), window_rows at a time."""
+        ...
 
 
 def _is_string(t: pa.DataType) -> bool:
@@ -136,10 +86,79 @@ def check_schema(schema: pa.Schema, spec: InputSpec, where: str) -> None:
                              f"{'an integer' if fld in _INT_FIELDS else 'a number'}")
 
 
-def _needed_columns(spec: InputSpec) -> list[str]:
+def needed_columns(spec: InputSpec) -> list[str]:
     cols = [c for c in (spec.prompt_column, spec.messages_column, spec.id_column) if c]
     cols += list(spec.passthrough_columns) + list(spec.sampling_columns.values())
     return list(dict.fromkeys(cols))
+
+
+def _window_columns(spec: InputSpec, table: pa.Table, win: RowWindow) -> None:
+    """Append a table of rows (already selected) to a window as Python values."""
+    if spec.prompt_column:
+        win.prompts.extend(table.column(spec.prompt_column).to_pylist())
+    if spec.messages_column:
+        win.messages.extend(table.column(spec.messages_column).to_pylist())
+    for col in spec.passthrough_columns:
+        win.passthrough.setdefault(col, []).extend(table.column(col).to_pylist())
+    for fld, col in spec.sampling_columns.items():
+        win.overrides.setdefault(fld, []).extend(table.column(col).to_pylist())
+
+
+def window_from_table(spec: InputSpec, table: pa.Table, pos: np.ndarray, shard: np.ndarray) -> RowWindow:
+    """A window from a table of input rows that carries its own id column (the Ray runner)."""
+    win = _new_window(spec)
+    _window_columns(spec, table, win)
+    win.pos.extend(pos.tolist())
+    win.shard.extend(shard.tolist())
+    win.ids.extend(table.column(spec.id_column).to_pylist())
+    return win
+
+
+def _new_window(spec: InputSpec) -> RowWindow:
+    return RowWindow(pos=[], ids=[], shard=[], prompts=[] if spec.prompt_column else None,
+                     messages=[] if spec.messages_column else None)
+
+
+def _group_by_shard(index: InputIndex, keep: np.ndarray):
+    """(shard index, rows in the shard, index positions) for each shard that has rows in keep."""
+    if len(keep) == 0:
+        return
+    shard_of = index.shard_of[keep]
+    bounds = np.flatnonzero(np.diff(shard_of)) + 1
+    for part in np.split(np.arange(len(keep)), bounds):
+        pos = keep[part]
+        yield int(shard_of[part[0]]), index.row_in_shard[pos], pos
+
+
+class _TableWindows:
+    """windows() over per-shard Arrow record batches (Parquet files or a dataset table)."""
+
+    spec: InputSpec
+
+    def _batches(self, shard: int, rows: np.ndarray) -> Iterator[tuple[int, pa.RecordBatch]]:
+        """(first row, batch) covering at least `rows` of the shard, in order."""
+        raise NotImplementedError
+
+    def windows(self, index: InputIndex, keep: np.ndarray, window_rows: int) -> Iterator[RowWindow]:
+        win = _new_window(self.spec)
+        ids = index.ids
+        for si, rows, pos in _group_by_shard(index, keep):
+            k = 0  # next wanted row (into rows/pos)
+            for start, batch in self._batches(si, rows):
+                end = start + batch.num_rows
+                while k < len(rows) and rows[k] < end:
+                    stop = min(int(np.searchsorted(rows, end)), k + window_rows - len(win))
+                    local = pa.array(rows[k:stop] - start, type=pa.int64())
+                    _window_columns(self.spec, pa.Table.from_batches([batch]).take(local), win)
+                    win.pos.extend(pos[k:stop].tolist())
+                    win.ids.extend(ids.take(pa.array(pos[k:stop], type=pa.int64())).to_pylist())
+                    win.shard.extend([si] * (stop - k))
+                    k = stop
+                    if len(win) >= window_rows:
+                        yield win
+                        win = _new_window(self.spec)
+        if len(win):
+            yield win
 
 
 def open_parquet(path: Path) -> pq.ParquetFile:
@@ -149,74 +168,90 @@ def open_parquet(path: Path) -> pq.ParquetFile:
         raise InputError(f"{path}: not a readable Parquet file ({e})") from None
 
 
-def scan_parquet(spec: InputSpec) -> list[tuple[Shard, pq.ParquetFile]]:
-    """Open every shard and check its schema, without reading the data."""
-    files = resolve_paths(spec.paths)
-    out = []
-    for name, f in zip(shard_names(files), files):
-        pf = open_parquet(f)
-        check_schema(pf.schema_arrow, spec, str(f))
-        out.append((Shard(name, str(f), pf.metadata.num_rows), pf))
-    return out
+class ParquetSource(_TableWindows):
+    def __init__(self, spec: InputSpec) -> None:
+        self.spec = spec
+        files = resolve_paths(spec.paths)
+        self.shards: list[Shard] = []
+        self.passthrough_types: dict[str, pa.DataType] = {}
+        for name, f in zip(shard_names(files), files):
+            pf = open_parquet(f)
+            schema = pf.schema_arrow
+            check_schema(schema, spec, str(f))
+            for col in spec.passthrough_columns:
+                self.passthrough_types.setdefault(col, schema.field(col).type)
+            self.shards.append(Shard(name, str(f), pf.metadata.num_rows))
+
+    def index(self) -> InputIndex:
+        arrays = []
+        for s in self.shards:
+            if self.spec.id_column:
+                try:
+                    col = pq.read_table(s.path, columns=[self.spec.id_column]).column(0)
+                except (pa.ArrowException, OSError) as e:
+                    raise InputError(f"{s.path}: cannot read its id column ({e})") from None
+                arrays.append(normalise_ids(col, s.path, self.spec.id_column))
+            else:
+                arrays.append(generated_ids(s.name, s.num_rows))
+        return build_index(self.shards, arrays, self.spec.id_column)
+
+    def _batches(self, shard: int, rows: np.ndarray):
+        path = self.shards[shard].path
+        pf = open_parquet(Path(path))
+        # Only the row groups holding wanted rows are read (a resume skips what is done).
+        bounds = np.cumsum([0] + [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)])
+        groups = sorted(set(np.searchsorted(bounds, rows, side="right").tolist()))
+        cols = needed_columns(self.spec)
+        try:
+            for g in groups:
+                start = int(bounds[g - 1])
+                for batch in pf.iter_batches(batch_size=8192, row_groups=[g - 1], columns=cols):
+                    yield start, batch
+                    start += batch.num_rows
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(f"{path}: cannot read its data ({e})") from None
 
 
-def read_input(spec: InputSpec) -> InputRows:
-    if spec.format == "openai_batch":
-        from .openai_batch import read_openai_batch
+class DatasetSource(_TableWindows):
+    """A HF dataset as one shard: a save_to_disk folder, local data files, or a hub name already
+    in the local cache (never downloaded). Arrow-backed datasets stay memory-mapped."""
 
-        return read_openai_batch(spec)
-    if spec.dataset is not None:
-        table = load_dataset_table(spec)
-        shard = Shard(f"{Path(spec.dataset.path).name}-{spec.dataset.split}", spec.dataset.path, table.num_rows)
-        check_schema(table.schema, spec, f"dataset {spec.dataset.path} ({spec.dataset.split})")
-        tables = [(shard, table)]
-    else:
-        tables = []
-        for shard, pf in scan_parquet(spec):
-            try:
-                tables.append((shard, pf.read(columns=_needed_columns(spec))))
-            except (pa.ArrowException, OSError) as e:
-                raise InputError(f"{shard.path}: cannot read its data ({e})") from None
-    return _collect(tables, spec)
+    def __init__(self, spec: InputSpec) -> None:
+        self.spec = spec
+        ds = spec.dataset
+        self.table = load_dataset_table(spec)
+        check_schema(self.table.schema, spec, f"dataset {ds.path} ({ds.split})")
+        self.shards = [Shard(f"{Path(ds.path).name}-{ds.split}", ds.path, self.table.num_rows)]
+        self.passthrough_types = {c: self.table.schema.field(c).type for c in spec.passthrough_columns}
 
-
-def _collect(tables: list[tuple[Shard, pa.Table]], spec: InputSpec) -> InputRows:
-    rows = InputRows(shards=[s for s, _ in tables], ids=[], shard_of=[], row_in_shard=[],
-                     prompts=[] if spec.prompt_column else None, messages=[] if spec.messages_column else None)
-    first_seen: dict[str, str] = {}
-    for si, (shard, table) in enumerate(tables):
-        n = table.num_rows
-        if spec.id_column:
-            raw = table.column(spec.id_column).to_pylist()
-            for r, v in enumerate(raw):
-                if v is None:
-                    raise InputError(f"{shard.path}, row {r}: id column {spec.id_column!r} is null")
-            ids = [str(v) for v in raw]
+    def index(self) -> InputIndex:
+        s = self.shards[0]
+        if self.spec.id_column:
+            ids = normalise_ids(self.table.column(self.spec.id_column), s.path, self.spec.id_column)
         else:
-            ids = [f"{shard.name}:{r}" for r in range(n)]
-        for r, i in enumerate(ids):
-            if i in first_seen:
-                raise InputError(f"{shard.path}, row {r}: duplicate id {i!r} (first seen at {first_seen[i]}); "
-                                 "ids must be unique across all input shards")
-            first_seen[i] = f"{shard.path}, row {r}"
-        rows.ids.extend(ids)
-        rows.shard_of.extend([si] * n)
-        rows.row_in_shard.extend(range(n))
-        if spec.prompt_column:
-            rows.prompts.extend(table.column(spec.prompt_column).to_pylist())
-        if spec.messages_column:
-            rows.messages.extend(table.column(spec.messages_column).to_pylist())
-        for col in spec.passthrough_columns:
-            t, vals = rows.passthrough.setdefault(col, (table.schema.field(col).type, []))
-            vals.extend(table.column(col).to_pylist())
-        for fld, col in spec.sampling_columns.items():
-            rows.overrides.setdefault(fld, []).extend(table.column(col).to_pylist())
-    return rows
+            ids = generated_ids(s.name, s.num_rows)
+        return build_index(self.shards, [ids], self.spec.id_column)
+
+    def _batches(self, shard: int, rows: np.ndarray):
+        table = self.table.select(needed_columns(self.spec))
+        start = 0
+        for batch in table.to_batches(max_chunksize=8192):
+            yield start, batch
+            start += batch.num_rows
+
+
+def open_input(spec: InputSpec) -> InputSource:
+    """The job's input reader, with every file opened and its schema checked (no data read)."""
+    if spec.format == "openai_batch":
+        from .openai_batch import OpenAIBatchSource
+
+        return OpenAIBatchSource(spec)
+    if spec.dataset is not None:
+        return DatasetSource(spec)
+    return ParquetSource(spec)
 
 
 def load_dataset_table(spec: InputSpec) -> pa.Table:
-    """A HF dataset as an Arrow table: a save_to_disk folder, local data files, or a hub name
-    already in the local cache (never downloaded)."""
     ds_spec = spec.dataset
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -246,4 +281,7 @@ def load_dataset_table(spec: InputSpec) -> pa.Table:
         raise
     except Exception as e:  # datasets raises many kinds; all mean the same to the user
         raise InputError(f"input.dataset: cannot load {ds_spec.path!r} split {ds_spec.split!r} offline ({e})") from None
-    return ds.with_format("arrow")[:]
+    # A dataset with an indices mapping (select/shuffle) is flattened; plain ones stay memory-mapped.
+    if getattr(ds, "_indices", None) is not None:
+        ds = ds.flatten_indices()
+    return ds.data.table

@@ -3,28 +3,38 @@ fingerprint.
 
 Layout of output.path:
   parts/part-000001.parquet ...   immutable once renamed into place
-  _ledger/part-000001.json ...    {"parts": [...], "ids": [...]}, written after its part is durable
+  _ledger/part-000001.json ...    {"parts", "files": {name: {bytes, sha256}}, "ids", "pos", "shards"},
+                                  written after its part is durable
   _ledger/job.json                the fingerprint of the job that wrote the ledger
   .lock                           flock()ed by the running job; the kernel drops it if the job dies
   summary.json
 
-An id is done exactly when a ledger entry lists it. A part without a ledger entry (a crash
-between the two renames) is an orphan and is deleted on the next start, so every id ends up
-in exactly one part.
+An id is done exactly when a ledger entry lists it and the entry's parts are whole (their size
+is checked on every start, their SHA-256 on merge and on request). A part without a ledger
+entry (a crash between the two renames), a broken entry or a damaged part is dropped with one
+line saying so, and its ids are generated again, so every id ends up in exactly one part.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
+import hashlib
 import json
+import logging
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..errors import ConfigError, LockedError
+from ..errors import ConfigError, DiskFullError, LockedError, OutputError
+
+log = logging.getLogger("batchgen")
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def fsync_dir(path: Path) -> None:
@@ -36,18 +46,61 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_write(path: Path, write) -> None:
-    """write(file) into a temp file beside path, fsync, rename over path, fsync the folder."""
+    """write(file) into a temp file beside path, fsync, rename over path, fsync the folder.
+    The temp file is removed when anything fails."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 
 def atomic_write_json(path: Path, data) -> None:
     atomic_write(path, lambda f: f.write(json.dumps(data, indent=1, sort_keys=True).encode()))
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_error(err: OSError, path: Path, kept: str) -> Exception:
+    """One-line error for a failed write: its own exit code for a full disk or quota."""
+    what = os.strerror(err.errno) if err.errno else str(err)
+    if err.errno in _FULL:
+        return DiskFullError(f"{path}: {what.lower()} while writing; {kept}. Free space (or raise the quota) and "
+                             "rerun the same command to resume")
+    return OutputError(f"{path}: cannot write ({what}); {kept}")
+
+
+@dataclass
+class LedgerEntry:
+    name: str
+    parts: list[str]
+    # part file name -> {"bytes": size, "sha256": hex digest}
+    files: dict
+    ids: list
+    # Position of each id in the job's input index (input order), and rows per input shard.
+    pos: list
+    shards: dict
+
+    @classmethod
+    def load(cls, path: Path) -> "LedgerEntry":
+        d = json.loads(path.read_text())
+        return cls(path.name, list(d["parts"]), dict(d.get("files", {})), list(d["ids"]), list(d.get("pos", [])),
+                   dict(d.get("shards", {})))
+
+    def dump(self) -> dict:
+        return {"parts": self.parts, "files": self.files, "ids": self.ids, "pos": self.pos, "shards": self.shards}
 
 
 class OutputStore:
@@ -57,12 +110,27 @@ class OutputStore:
         self.ledger = self.root / "_ledger"
         self._lock_fd: int | None = None
         self._next_part = 1
+        self.rows_committed = 0
+        # One line per entry dropped by the last open(): a damaged, missing or unreadable part.
+        self.dropped: list[str] = []
 
     # -- lock ------------------------------------------------------------------------------
 
     def acquire_lock(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        """Create the folder and take its lock; an unusable path is one line naming it."""
+        try:
+            if self.root.exists() and not self.root.is_dir():
+                raise OutputError(f"output.path: {self.root} exists and is not a folder; choose another output.path")
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except FileExistsError:
+            raise OutputError(f"output.path: {self.root} (or a folder above it) is a file; choose another "
+                              "output.path") from None
+        except NotADirectoryError:
+            raise OutputError(f"output.path: a part of {self.root} is a file, not a folder; choose another "
+                              "output.path") from None
+        except OSError as e:
+            raise write_error(e, self.root, "nothing was written") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -70,8 +138,12 @@ class OutputStore:
             os.close(fd)
             raise LockedError(f"{self.root}: another batchgen run of this job is running ({holder or 'pid unknown'}); "
                               "not starting a second one") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+        except OSError as e:
+            os.close(fd)
+            raise write_error(e, self.root / ".lock", "nothing was written") from None
         self._lock_fd = fd
 
     def release_lock(self) -> None:
@@ -79,92 +151,211 @@ class OutputStore:
             os.close(self._lock_fd)
             self._lock_fd = None
 
+    def is_locked(self) -> bool:
+        """Whether a run holds this store's lock now (without taking it)."""
+        lock = self.root / ".lock"
+        if not lock.exists():
+            return False
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+    def check_free_space(self, part_bytes: int) -> None:
+        """Refuse before the model loads when the disk cannot take a part (and its temp copy)."""
+        free = shutil.disk_usage(self.root).free
+        if free < 2 * part_bytes:
+            raise DiskFullError(f"{self.root}: only {free / 2**20:.1f} MiB free; a part of this job needs about "
+                                f"{part_bytes / 2**20:.1f} MiB. Free space or choose another output.path")
+
     # -- ledger ----------------------------------------------------------------------------
 
-    def entries(self) -> dict[str, dict]:
+    def _entry_paths(self) -> list[Path]:
         if not self.ledger.is_dir():
-            return {}
-        out = {}
-        for p in sorted(self.ledger.glob("part-*.json")) + sorted(self.ledger.glob("final-*.json")):
-            out[p.name] = json.loads(p.read_text())
+            return []
+        return sorted(self.ledger.glob("part-*.json")) + sorted(self.ledger.glob("final-*.json"))
+
+    def _load_entries(self) -> tuple[dict[str, LedgerEntry], list[str]]:
+        """The readable entries by file name, and one line per unreadable one. An entry that
+        vanished while being read (a running compaction replaced it) is skipped."""
+        out, problems = {}, []
+        for p in self._entry_paths():
+            try:
+                out[p.name] = LedgerEntry.load(p)
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                problems.append(f"{p}: unreadable ledger entry ({type(e).__name__}: {e}): its rows count as not done")
+        return out, problems
+
+    def entries(self, strict: bool = False) -> dict[str, LedgerEntry]:
+        """The ledger's readable entries; with strict, an unreadable one is a ConfigError."""
+        out, problems = self._load_entries()
+        if strict and problems:
+            raise ConfigError(problems[0])
         return out
 
     def fingerprint(self) -> dict | None:
         p = self.ledger / "job.json"
-        return json.loads(p.read_text())["fingerprint"] if p.exists() else None
+        if not p.exists():
+            return None
+        try:
+            return json.loads(p.read_text())["fingerprint"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{p}: unreadable ({type(e).__name__}: {e}); the job's fingerprint cannot be checked, "
+                              "so nothing will be resumed: rerun with --restart to discard this output, or restore "
+                              "the file") from None
 
-    def open(self, fingerprint: dict, restart: bool) -> set[str]:
-        """Check the fingerprint, tidy up after a crash and return the ids already done."""
-        if restart and self.root.exists():
-            for sub in (self.parts, self.ledger):
-                shutil.rmtree(sub, ignore_errors=True)
-            (self.root / "summary.json").unlink(missing_ok=True)
-        old = self.fingerprint()
-        if old is not None and old != fingerprint:
-            changed = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
-            raise ConfigError(f"{self.root}: holds output of a different job (changed: {', '.join(changed)}); "
-                              "rerun with --restart to discard it, or choose another output.path")
-        self.parts.mkdir(parents=True, exist_ok=True)
-        self.ledger.mkdir(parents=True, exist_ok=True)
-        if old is None:
-            atomic_write_json(self.ledger / "job.json", {"fingerprint": fingerprint})
-        self._finish_compaction()
-        entries = self.entries()
-        referenced = {p for e in entries.values() for p in e["parts"]}
-        for f in list(self.parts.iterdir()) + list(self.ledger.glob(".*.tmp-*")):
-            if f.name not in referenced and f.parent == self.parts or f.name.startswith("."):
-                f.unlink()  # orphan part or temp file from a killed run: its ids are not done
-        done: set[str] = set()
-        for name, e in entries.items():
-            done.update(e["ids"])
+    def open(self, fingerprint: dict, restart: bool) -> list:
+        """Check the fingerprint, tidy up after a crash, verify the parts' sizes and return the ids
+        already done."""
+        try:
+            if restart:
+                self._discard()
+            old = self.fingerprint()
+            if old is not None and old != fingerprint:
+                changed = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
+                raise ConfigError(f"{self.root}: holds output of a different job (changed: {', '.join(changed)}); "
+                                  "rerun with --restart to discard it, or choose another output.path")
+            self.parts.mkdir(parents=True, exist_ok=True)
+            self.ledger.mkdir(parents=True, exist_ok=True)
+            if old is None:
+                atomic_write_json(self.ledger / "job.json", {"fingerprint": fingerprint})
+            self._finish_compaction()
+            entries, problems = self.audit(checksum=False)
+            for name in set(self.entries_on_disk()) - set(entries):
+                (self.ledger / name).unlink()  # its ids are not done; its part is an orphan now
+            self.dropped = [f"{p}: they will be generated again" for p in problems]
+            self._remove_orphans(entries)
+        except OSError as e:
+            raise write_error(e, self.root, "no row was lost") from None
+        for line in self.dropped:
+            log.warning("%s", line)
         nums = [int(n.split("-")[1].split(".")[0]) for n in entries if n.startswith("part-")]
         self._next_part = max(nums, default=0) + 1
-        return done
+        return [i for e in entries.values() for i in e.ids]
 
-    def commit(self, table: pa.Table, ids: list[str]) -> str:
+    def _discard(self) -> None:
+        """--restart: the ledger is moved aside in one rename first, so a kill at any later point
+        leaves no entry pointing at a deleted part; then everything goes at leisure."""
+        if self.ledger.exists():
+            aside = self.root / f".discarded-ledger-{os.getpid()}-{time.time_ns()}"
+            os.rename(self.ledger, aside)
+            fsync_dir(self.root)
+        shutil.rmtree(self.parts, ignore_errors=True)
+        for p in self.root.glob(".discarded-ledger-*"):
+            shutil.rmtree(p, ignore_errors=True)
+        for name in ("summary.json", "results.jsonl", "errors.jsonl"):
+            (self.root / name).unlink(missing_ok=True)
+
+    def _check_entry(self, e: LedgerEntry, checksum: bool) -> str | None:
+        """What is wrong with an entry's parts, or None. Size always; SHA-256 with checksum."""
+        for name in e.parts:
+            p = self.parts / name
+            want = e.files.get(name, {})
+            try:
+                size = p.stat().st_size
+            except FileNotFoundError:
+                return f"{p}: missing (listed in {self.ledger / e.name})"
+            if "bytes" in want and size != want["bytes"]:
+                return f"{p}: {size} bytes, but {self.ledger / e.name} recorded {want['bytes']} (damaged)"
+            if checksum and "sha256" in want and file_sha256(p) != want["sha256"]:
+                return f"{p}: its SHA-256 differs from the one {self.ledger / e.name} recorded (damaged)"
+        return None
+
+    def audit(self, checksum: bool = False) -> tuple[dict[str, LedgerEntry], list[str]]:
+        """The entries whose parts are whole, and one line per problem: an unreadable entry, a
+        missing or damaged part (sizes always, SHA-256 with checksum). Changes nothing."""
+        entries, problems = self._load_entries()
+        good = {}
+        for name, e in entries.items():
+            problem = self._check_entry(e, checksum)
+            if problem:
+                problems.append(f"{problem}: its {len(e.ids)} rows count as not done")
+            else:
+                good[name] = e
+        return good, problems
+
+    def entries_on_disk(self) -> list[str]:
+        return [p.name for p in self._entry_paths()]
+
+    def _remove_orphans(self, entries: dict[str, LedgerEntry]) -> None:
+        """Parts no entry lists (a crash between the two renames) and temp files of killed runs."""
+        referenced = {p for e in entries.values() for p in e.parts}
+        for f in list(self.parts.iterdir()):
+            if f.name not in referenced:
+                f.unlink()
+        for d in (self.ledger, self.root):
+            for f in d.glob(".*.tmp-*"):
+                if f.is_dir():
+                    shutil.rmtree(f, ignore_errors=True)  # a killed compaction's or merge's runs
+                else:
+                    f.unlink()
+
+    def commit(self, table: pa.Table, ids: list, pos: list, shards: dict) -> str:
         """Write one part durably, then record its ids as done."""
         name = f"part-{self._next_part:06d}"
         self._next_part += 1
-        atomic_write(self.parts / f"{name}.parquet", lambda f: pq.write_table(table, f))
-        atomic_write_json(self.ledger / f"{name}.json", {"parts": [f"{name}.parquet"], "ids": ids})
+        part = self.parts / f"{name}.parquet"
+        try:
+            atomic_write(part, lambda f: pq.write_table(table, f))
+            files = {part.name: {"bytes": part.stat().st_size, "sha256": file_sha256(part)}}
+            entry = LedgerEntry(f"{name}.json", [part.name], files, ids, pos, shards)
+            atomic_write_json(self.ledger / entry.name, entry.dump())
+        except OSError as e:
+            part.unlink(missing_ok=True)
+            raise write_error(e, part, f"{self.rows_committed} rows committed by this run before it are kept") from None
+        self.rows_committed += len(ids)
         return name
 
     # -- compaction (output.order: input) --------------------------------------------------
 
-    def compact(self, row_order, rows_per_part: int) -> None:
-        """Rewrite all parts in the order row_order(table) gives (a list of row indices).
-        Crash-safe: the new ledger entry names the entries it replaces, and whoever opens the
-        store next finishes the swap."""
-        entries = self.entries()
-        if not entries or (len(entries) == 1 and next(iter(entries)).startswith("final-")):
-            return
-        table = pa.concat_tables([pq.read_table(self.parts / p) for e in entries.values() for p in e["parts"]],
-                                 promote_options="default")
-        table = table.take(pa.array(row_order(table), type=pa.int64()))
-        parts = []
-        for k, start in enumerate(range(0, max(table.num_rows, 1), rows_per_part)):
-            name = f"final-{k + 1:06d}.parquet"
-            chunk = table.slice(start, rows_per_part)
-            atomic_write(self.parts / name, lambda f, c=chunk: pq.write_table(c, f))
-            parts.append(name)
-        ids = list(dict.fromkeys(table.column("id").to_pylist()))
-        atomic_write_json(self.ledger / "final-000001.json", {"parts": parts, "ids": ids, "replaces": sorted(entries)})
+    def write_finals(self, tables, replaces: list[str]) -> None:
+        """Replace the entries `replaces` with final-*.parquet parts holding the tables
+        ((table, ids, pos, shards) in order). Crash-safe: the finals' entries are staged, and one
+        atomic compaction.json makes the swap; whoever opens the store next finishes it."""
+        staged = []
+        first = max((int(p.stem.split("-")[1]) for p in self.parts.glob("final-*.parquet")), default=0) + 1
+        for k, (table, ids, pos, shards) in enumerate(tables):
+            name = f"final-{first + k:06d}"
+            part = self.parts / f"{name}.parquet"
+            atomic_write(part, lambda f, t=table: pq.write_table(t, f))
+            files = {part.name: {"bytes": part.stat().st_size, "sha256": file_sha256(part)}}
+            entry = LedgerEntry(f"{name}.json", [part.name], files, ids, pos, shards)
+            atomic_write_json(self.ledger / f".staged-{entry.name}", entry.dump())
+            staged.append(entry.name)
+        atomic_write_json(self.ledger / "compaction.json", {"finals": staged, "replaces": sorted(replaces)})
         self._finish_compaction()
 
     def _finish_compaction(self) -> None:
-        final = self.ledger / "final-000001.json"
-        if not final.exists():
+        marker = self.ledger / "compaction.json"
+        if not marker.exists():
+            # An unfinished compaction: its finals are in no entry.
+            for f in self.ledger.glob(".staged-*.json"):
+                f.unlink()
+            listed = {p for e in self.entries().values() for p in e.parts}
             for f in self.parts.glob("final-*.parquet"):
-                f.unlink()  # an unfinished compaction: its parts are not in any ledger entry
+                if f.name not in listed:
+                    f.unlink()
             return
-        entry = json.loads(final.read_text())
-        for name in entry.get("replaces", []):
+        swap = json.loads(marker.read_text())
+        for name in swap["replaces"]:
             old = self.ledger / name
             if old.exists():
                 for p in json.loads(old.read_text())["parts"]:
                     (self.parts / p).unlink(missing_ok=True)
                 old.unlink()
+        for name in swap["finals"]:
+            staged = self.ledger / f".staged-{name}"
+            if staged.exists():
+                os.replace(staged, self.ledger / name)
+        fsync_dir(self.ledger)
+        marker.unlink()
         fsync_dir(self.ledger)
 
     def part_files(self) -> list[Path]:
-        return [self.parts / p for e in self.entries().values() for p in e["parts"]]
+        return [self.parts / p for e in self.entries().values() for p in e.parts]

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cache import cache_root
 from ..errors import ConfigError
 
 log = logging.getLogger("batchgen")
@@ -30,13 +32,6 @@ class ModelSource:
     # Stable identity of the weights: the GGUF hash or the folder's weight files' sizes and names.
     identity: str
     gguf_file: Path | None = None
-
-
-def cache_root() -> Path:
-    if os.environ.get("BATCHGEN_CACHE"):
-        return Path(os.environ["BATCHGEN_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "batchgen"
 
 
 def default_gguf() -> Path:
@@ -59,21 +54,114 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def check_model_type(model_type: str | None, where: str) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"model: {where}: type {model_type!r} is not supported; supported: "
+                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+def weights_identity(files: list[Path]) -> str:
+    """A digest of the weight files that changes when the weights do, read cheaply: each file's
+    name and size, its safetensors header (names, shapes, dtypes, offsets) and its first and last
+    MiB (retrained weights of the same shapes differ there)."""
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}|".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(size - (1 << 20))
+                h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def gguf_metadata(path: Path, wanted: set[str]) -> dict:
+    """The wanted string/number keys of a GGUF file's header, read without touching tensor data
+    (the header's key-value pairs come first; reading stops once all wanted keys are found)."""
+    import struct
+
+    def read(f, fmt):
+        size = struct.calcsize(fmt)
+        data = f.read(size)
+        if len(data) != size:
+            raise ValueError("truncated header")
+        return struct.unpack(fmt, data)[0]
+
+    def string(f) -> str:
+        return f.read(read(f, "<Q")).decode("utf-8", errors="replace")
+
+    def value(f, vtype):
+        if vtype in _GGUF_SCALARS:
+            return read(f, _GGUF_SCALARS[vtype])
+        if vtype == 8:
+            return string(f)
+        if vtype == 9:
+            etype, count = read(f, "<I"), read(f, "<Q")
+            return [value(f, etype) for _ in range(count)] if count < 4096 else _skip(f, etype, count)
+        raise ValueError(f"unknown value type {vtype}")
+
+    def _skip(f, etype, count):
+        if etype in _GGUF_SCALARS:
+            f.seek(count * struct.calcsize(_GGUF_SCALARS[etype]), 1)
+        else:
+            for _ in range(count):
+                value(f, etype)
+        return None
+
+    out: dict = {}
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError("no GGUF magic number")
+            read(f, "<I")  # version
+            read(f, "<Q")  # tensor count
+            for _ in range(read(f, "<Q")):
+                key = string(f)
+                v = value(f, read(f, "<I"))
+                if key in wanted:
+                    out[key] = v
+                    if len(out) == len(wanted):
+                        break
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"model: {path}: not a readable GGUF file ({e})") from None
+    return out
+
+
+def gguf_architecture(path: Path) -> str | None:
+    """general.architecture from a GGUF file's header."""
+    return gguf_metadata(path, {"general.architecture"}).get("general.architecture")
+
+
+# GGUF's architecture names for the model types above (Mistral checkpoints are written as llama).
+_GGUF_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+
+
 def resolve_model(spec: str) -> ModelSource:
-    """Turn the job's `model:` value into a local folder, converting GGUF on first use."""
+    """Turn the job's `model:` value into a local folder (converting GGUF on first use later),
+    refusing an unsupported architecture from config.json or the GGUF header first."""
     path = default_gguf() if spec == "default" else Path(spec).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
             raise ConfigError(f"model: {path} is a folder without config.json (not a HF model folder)")
-        weights = sorted(p.name + ":" + str(p.stat().st_size) for p in path.glob("*.safetensors")) or \
-            sorted(p.name + ":" + str(p.stat().st_size) for p in path.glob("*.bin"))
+        try:
+            model_type = json.loads(cfg_path.read_text()).get("model_type")
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model: {cfg_path}: not readable JSON ({e})") from None
+        check_model_type(model_type, str(cfg_path))
+        weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
         if not weights:
             raise ConfigError(f"model: {path} has no *.safetensors or *.bin weights")
-        ident = hashlib.sha256("|".join(weights).encode()).hexdigest()[:16]
-        return ModelSource(spec, path.resolve(), f"hf:{path.name}:{ident}")
+        return ModelSource(spec, path.resolve(), f"hf:{path.name}:{weights_identity(weights)}")
     if path.is_file() and path.suffix == ".gguf":
+        arch = gguf_architecture(path)
+        check_model_type(_GGUF_TYPES.get(arch or "", arch), f"{path} (GGUF general.architecture {arch!r})")
         digest = file_sha256(path)
-        return ModelSource(spec, cache_root() / "gguf" / digest[:32], f"gguf:{digest[:16]}", path)
+        return ModelSource(spec, cache_root() / "gguf" / digest[:32], f"gguf:{path.name}:{digest[:16]}", path)
     if path.exists():
         raise ConfigError(f"model: {path} is neither a HF model folder nor a .gguf file")
     raise ConfigError(f"model: {spec!r} not found; use 'default', a local HF folder or a .gguf file "

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..shapes import cdiv
+
 
 @dataclass
 class PrefillSeq:
@@ -111,10 +113,15 @@ class QuantCache:
                  dtype: torch.dtype = torch.int8):
         if dtype not in QUANT_DTYPES:
             raise ValueError(f"QuantCache: {dtype} is not int8 or float8_e4m3fn")
-        self.data = torch.zeros((num_blocks, block_size, kv_heads, head_dim), dtype=dtype, device=device,
-                                pin_memory=pin)
-        self.scale = torch.zeros((num_blocks, block_size, kv_heads), dtype=torch.float32, device=device,
-                                 pin_memory=pin)
+        def zeros(shape, dt):
+            if torch.device(device).type == "cpu" and not pin:
+                from .model_runner import host_zeros
+
+                return host_zeros(shape, dt)
+            return torch.zeros(shape, dtype=dt, device=device, pin_memory=pin)
+
+        self.data = zeros((num_blocks, block_size, kv_heads, head_dim), dtype)
+        self.scale = zeros((num_blocks, block_size, kv_heads), torch.float32)
         # The largest magnitude the format holds: int8 +-127; e4m3 +-448.
         self.qmax = 127.0 if dtype == torch.int8 else 448.0
 
@@ -170,7 +177,7 @@ def gather_blocks(cache, tables: torch.Tensor) -> torch.Tensor:
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """Positions [0, length) of one sequence: [length, kv_heads, head_dim]."""
     nb, bs, h, d = cache.shape
-    n_blocks = -(-length // bs)
+    n_blocks = cdiv(length, bs)
     return gather_blocks(cache, block_table[:n_blocks]).reshape(n_blocks * bs, h, d)[:length]
 
 

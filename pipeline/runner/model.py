@@ -13,46 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..shapes import ModelShape
 from .attention import AttentionMetadata, paged_attention
 from .linear import Linear
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    max_position: int
-    rms_eps: float
-    tie_word_embeddings: bool
-
-    @classmethod
-    def from_config(cls, cfg) -> "ModelShape":
-        heads = cfg.num_attention_heads
-        return cls(
-            model_type=cfg.model_type,
-            num_layers=cfg.num_hidden_layers,
-            hidden_size=cfg.hidden_size,
-            num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            intermediate_size=cfg.intermediate_size,
-            vocab_size=cfg.vocab_size,
-            max_position=cfg.max_position_embeddings,
-            rms_eps=cfg.rms_norm_eps,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        )
-
-    def non_embedding_params(self) -> int:
-        q = self.num_heads * self.head_dim
-        kv = 2 * self.num_kv_heads * self.head_dim
-        per_layer = self.hidden_size * (q + kv) + q * self.hidden_size + 3 * self.hidden_size * self.intermediate_size
-        return self.num_layers * per_layer
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,7 +54,10 @@ class Layer:
 
 
 class CausalLM:
-    def __init__(self, hf_model, dtype: torch.dtype = torch.float32, device: str = "cpu", linear_path: str = "plain") -> None:
+    def __init__(self, hf_model, dtype: torch.dtype = torch.float32, device: str = "cpu", linear_path: str = "plain",
+                 fused: bool = False) -> None:
+        """fused: the C++ CPU layer ops (the engine's choice where they are loaded and the path
+        is not the exact reference one)."""
         cfg = hf_model.config
         self.shape = s = ModelShape.from_config(cfg)
         self.dtype = dtype
@@ -136,8 +102,7 @@ class CausalLM:
             cos, sin = inner.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)
         self.cos = cos[0].to(device=self.device, dtype=dtype)  # [max_position, head_dim]
         self.sin = sin[0].to(device=self.device, dtype=dtype)
-        # Set by the engine where the C++ CPU ops are loaded and the path is not the exact one.
-        self.fused = False
+        self.fused = fused
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

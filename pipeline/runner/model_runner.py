@@ -2,24 +2,27 @@
 from __future__ import annotations
 
 import ctypes
+import math
+import mmap
 import os
 import sys
 
 import torch
 
-from ..engine.kv_manager import cdiv
 from ..engine.outputs import RunnerOutput, SampledToken, ScheduledSeq
-from .attention import AttentionMetadata, CascadeGroup, DecodeBucket, PrefillSeq, QUANT_DTYPES, QuantCache, decode_buckets
+from ..shapes import cdiv, kv_bytes_per_token_head
+from .attention import (
+    QUANT_DTYPES,
+    AttentionMetadata,
+    CascadeGroup,
+    DecodeBucket,
+    PrefillSeq,
+    QuantCache,
+    decode_buckets,
+)
+from .build import dtype_name
 from .model import CausalLM
 from .sampler import Sampler
-
-
-def kv_bytes_per_token_head(dtype: torch.dtype, head_dim: int) -> int:
-    """Bytes one token takes per KV head in one of K or V (int8 adds its fp32 scale)."""
-    if dtype in QUANT_DTYPES:
-        return head_dim + 4
-    return head_dim * torch.finfo(dtype).bits // 8
-
 
 _HUGE = 2 << 20
 
@@ -52,23 +55,28 @@ def keep_freed_memory() -> bool:
 
 
 def host_zeros(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed host tensor whose memory is asked for 2 MiB pages (madvise MADV_HUGEPAGE) before
-    its first touch. Decode reads each sequence's blocks at scattered addresses of a multi-GiB
-    cache; on 4 KiB pages every few KiB is a TLB miss and a stop for the hardware prefetcher
-    (it does not cross 4 KiB pages). This machine's THP setting is `madvise`, so nothing gets huge
-    pages unasked. A no-op where madvise or THP is missing; BATCHGEN_NO_HUGEPAGES=1 turns it off."""
-    t = torch.empty(shape, dtype=dtype)
-    nbytes = t.numel() * t.element_size()
-    if nbytes >= 2 * _HUGE and os.environ.get("BATCHGEN_NO_HUGEPAGES") != "1" and sys.platform.startswith("linux"):
-        start = -(-t.data_ptr() // _HUGE) * _HUGE
-        end = (t.data_ptr() + nbytes) // _HUGE * _HUGE
-        if end > start:
-            try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
-            except (OSError, AttributeError):
-                pass
-    return t.zero_()
+    """A zeroed host tensor that costs nothing until it is written: an anonymous mapping, which
+    the kernel fills with zero pages on first touch, so a multi-GiB KV cache takes neither time
+    nor resident memory for blocks no sequence has used yet.
+
+    Its range is asked for 2 MiB pages (madvise MADV_HUGEPAGE) before any touch. Decode reads
+    each sequence's blocks at scattered addresses of the cache; on 4 KiB pages every few KiB is a
+    TLB miss and a stop for the hardware prefetcher (which does not cross 4 KiB pages), and with
+    THP set to `madvise` (common, and the case on our development machines) nothing gets huge
+    pages unasked. BATCHGEN_NO_HUGEPAGES=1 turns the hint off."""
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    if nbytes < 2 * _HUGE or not sys.platform.startswith("linux"):
+        return torch.zeros(shape, dtype=dtype)
+    mm = mmap.mmap(-1, nbytes + _HUGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    offset = (-base) % _HUGE  # start on a 2 MiB boundary
+    if os.environ.get("BATCHGEN_NO_HUGEPAGES") != "1" and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE, offset, nbytes // _HUGE * _HUGE or _HUGE)
+        except OSError:  # no THP in this kernel: plain pages
+            pass
+    return torch.frombuffer(mm, dtype=dtype, count=numel, offset=offset).view(shape)
 
 
 class KVCache:
@@ -92,7 +100,7 @@ class KVCache:
                            for _ in range(num_layers)] if num_cpu_blocks else []
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.block_bytes = 2 * num_layers * block_size * kv_bytes_per_token_head(dtype, head_dim) * num_kv_heads
+        self.block_bytes = 2 * num_layers * block_size * kv_bytes_per_token_head(dtype_name(dtype), head_dim) * num_kv_heads
         self.bytes = num_blocks * self.block_bytes
         self.cpu_bytes = num_cpu_blocks * self.block_bytes
 
@@ -113,17 +121,21 @@ class KVCache:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, decode_mode: str = "batched", seed: int = 0,
-                 backend: str = "torch", window: int | None = None) -> None:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, sampler: Sampler | None = None,
+                 decode_mode: str = "batched", backend: str = "torch", window: int | None = None, graphs=None) -> None:
+        """graphs: a DecodeGraphs (CUDA with the Triton backend) that decode-only steps replay."""
         self.window = window
         self.model = model
         self.kv = kv_cache
         self.decode_mode = decode_mode
         self.backend = backend
-        self.sampler = Sampler(seed)
+        self.sampler = sampler or Sampler()
         self.device = model.device
-        # Set by the engine on CUDA (Triton backend): decode-only steps replay CUDA graphs.
-        self.graphs = None
+        self.graphs = graphs
+
+    @property
+    def graph_replays(self) -> int:
+        return self.graphs.replays if self.graphs is not None else 0
 
     def execute(self, seqs: list[ScheduledSeq], copy_to_cpu=(), copy_to_device=()) -> RunnerOutput:
         # Out before in: a block spilled this step may be the target of a load this step.

@@ -18,11 +18,11 @@ def _row_generator(seed: int, output_index: int) -> torch.Generator:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, fused_argmax: bool = False) -> None:
         # For rows without a seed: one stream for the whole run.
         self.generator = torch.Generator().manual_seed(seed)
-        # Greedy rows through the C++ argmax (set by the engine with the CPU ops loaded).
-        self.fused_argmax = False
+        # Greedy rows through the C++ argmax (with the CPU ops loaded).
+        self.fused_argmax = fused_argmax
 
     def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[SampledToken]:
         """logits [num_seqs, vocab] (fp32, or bf16 on the fused path), one row per seq -> one
