@@ -223,13 +223,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k/v [n, kv_heads, dim] (rows may be strided) into cache slots; a slot outside the cache is
-    refused. index_copy_ took ~140 us a call here for 256 tokens: per-row dispatch."""
+    refused. (index_copy_ dispatches per row.)"""
     torch.ops.batchgen_cpu.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, -1) for [n, vocab] float32/bf16 logits (first index among ties), reading
-    bf16 rows directly: converting 256 x 49k bf16 logits to fp32 first cost ~5 ms a step."""
+    bf16 rows directly: converting the logits to fp32 first would be a pass over all of them
+    (examples/bench_logits.py times the lm_head and argmax of a step)."""
     out = torch.empty(x.shape[0], dtype=torch.long)
     torch.ops.batchgen_cpu.argmax_rows(out, x)
     return out

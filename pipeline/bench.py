@@ -148,7 +148,7 @@ def gemm_ceiling(shape, items: list[WorkloadItem], batch: int = 256) -> dict:
                     ts.append(time.perf_counter() - t)
                 flops += 2 * batch * k * n
                 # The fastest of 15: a ceiling is what the machine can do, and on a shared machine
-                # a median moved by +-10% between runs (186-213 GFLOP/s fp32).
+                # a median moves between runs.
                 secs += min(ts)
             rates[f"{str(dtype).replace('torch.', '')}/{path}"] = flops / secs
     p_tok = sum(len(w.prompt_token_ids) for w in items)

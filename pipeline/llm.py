@@ -192,18 +192,24 @@ class Engine:
             yield from results
 
     def add_request(self, req: GenerationRequest) -> None:
+        """Queue a request. With n > 1 its samples are sibling requests "<id>\\x00<i>" (seed + i
+        when seeded): the first prefills the prompt, the others fork from it, sharing its KV."""
         sp = req.sampling
         now = time.perf_counter()
+        samples = []
         for i in range(sp.n):
             child_sp = sp
             if sp.n > 1:
                 child_sp = sp.model_copy(update={"n": 1, "seed": None if sp.seed is None else sp.seed + i})
-            r = Request(f"{req.request_id}\x00{i}", list(req.prompt_token_ids), child_sp, self.eos_token_ids, now)
-            self.scheduler.add_request(r)
+            samples.append(Request(f"{req.request_id}\x00{i}", list(req.prompt_token_ids), child_sp,
+                                   self.eos_token_ids, now))
+        samples[0].forks = samples[1:]
+        self.scheduler.add_request(samples[0])
 
     def step(self) -> list[GenerationResult]:
         sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched_out.seqs, sched_out.copy_to_cpu, sched_out.copy_to_device)
+        runner_out = self.runner.execute(sched_out.seqs, sched_out.copy_to_cpu, sched_out.copy_to_device,
+                                         sched_out.copy_within)
         touched = self.scheduler.update(sched_out, runner_out)
         self.step_count += 1
         results = []
@@ -215,8 +221,13 @@ class Engine:
                 results.append(self._result(req, text))
         return results
 
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of generated tokens, without a character cut off mid-way (a byte-level token
+        run that ends inside a multi-byte character decodes to U+FFFD; vLLM leaves it out too)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True).rstrip("\ufffd")
+
     def _check_stop_strings(self, req: Request) -> str | None:
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        text = self.decode(req.output_token_ids)
         tail_from = max(0, len(text) - max(len(s) for s in req.sampling.stop) - 16)
         hits = [i for i in (text.find(s, tail_from) for s in req.sampling.stop) if i >= 0]
         if not hits:
@@ -227,7 +238,7 @@ class Engine:
     def _result(self, req: Request, text: str | None) -> GenerationResult:
         self.scheduler.release(req.request_id)
         if text is None:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True) if req.output_token_ids else ""
+            text = self.decode(req.output_token_ids) if req.output_token_ids else ""
         times = req.token_times
         ttft = times[0] - req.arrival_time if times else None
         itl = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None

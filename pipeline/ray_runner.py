@@ -72,6 +72,60 @@ class EngineActor:
                                                   for c in self.spec.input.passthrough_columns})
 
 
+def _check_input(spec: JobSpec) -> None:
+    if spec.input.format != "parquet" or spec.input.dataset is not None:
+        raise ConfigError("--runner ray reads Parquet input (input.path); datasets and JSONL run locally")
+    if not spec.input.id_column:
+        raise ConfigError("--runner ray needs input.id_column: rows are split across actors, so ids cannot come "
+                          "from shard + row index")
+
+
+def _dataset(ray, spec: JobSpec, index, keep: np.ndarray, num_actors: int):
+    """read_parquet -> drop rows not to do (attaching _pos, _shard) -> engine actors."""
+    import polars as pl
+
+    from .io.sources import needed_columns
+
+    idc = spec.input.id_column
+    todo_ref = ray.put(pl.DataFrame({idc: index.ids.take(pa.array(keep)), "_pos": keep,
+                                     "_shard": index.shard_of[keep].astype(np.int64)}))
+
+    def drop_done(batch: pa.Table) -> pa.Table:
+        import polars as pl
+
+        todo = ray.get(todo_ref)
+        b = pl.from_arrow(batch).with_columns(pl.col(idc).cast(todo.schema[idc]))
+        # Hashed on the batch, probing the to-do table: cheap whatever the input's size.
+        rows = todo.join(b.select(idc), on=idc, how="semi")
+        return b.join(rows, on=idc, how="inner").to_arrow()
+
+    gpus = 1 if spec.model.device == "cuda" or (spec.model.device == "auto" and ray.cluster_resources().get("GPU")) \
+        else 0
+    ds = ray.data.read_parquet([s.path for s in index.shards]).select_columns(needed_columns(spec.input))
+    ds = ds.map_batches(drop_done, batch_format="pyarrow")
+    return ds.map_batches(EngineActor, fn_constructor_kwargs={"spec_data": spec.model_dump(mode="json")},
+                          batch_format="pyarrow", batch_size=max(64, spec.engine.max_num_seqs),
+                          concurrency=num_actors, num_gpus=gpus)
+
+
+def _commit_stream(ds, store, index) -> tuple[int, int, int]:
+    """Commit the actors' output tables as parts as they arrive: (rows, rows with errors, tokens)."""
+    from .io.sortmerge import group_starts
+
+    rows = errors = tokens = 0
+    for out in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        if not out.num_rows:
+            continue
+        firsts = pa.array(group_starts(out.column("_pos")))
+        pos = out.column("_pos").take(firsts).to_pylist()
+        table = out.drop_columns(["_pos"])
+        store.commit(table, table.column("id").take(firsts).to_pylist(), pos, index.shard_counts(pos))
+        rows += len(pos)
+        errors += len(set(table.filter(table.column("error").is_valid()).column("id").to_pylist()))
+        tokens += sum(table.column("completion_tokens").to_pylist())
+    return rows, errors, tokens
+
+
 def run_ray(spec: JobSpec, restart: bool = False, limit: int | None = None, num_actors: int = 1,
             num_cpus: int | None = None) -> dict:
     try:
@@ -79,20 +133,12 @@ def run_ray(spec: JobSpec, restart: bool = False, limit: int | None = None, num_
         import ray.data
     except ImportError:
         raise ConfigError("--runner ray needs Ray: pip install 'batchgen[ray]'") from None
-    import polars as pl
-
-    from .io.sortmerge import group_starts
-    from .io.sources import needed_columns
     from .io.store import OutputStore, atomic_write_json
     from .job.fingerprint import fingerprint
     from .job.prepare import prepare_job
     from .job.run import todo_positions
 
-    if spec.input.format != "parquet" or spec.input.dataset is not None:
-        raise ConfigError("--runner ray reads Parquet input (input.path); datasets and JSONL run locally")
-    if not spec.input.id_column:
-        raise ConfigError("--runner ray needs input.id_column: rows are split across actors, so ids cannot come "
-                          "from shard + row index")
+    _check_input(spec)
     job = prepare_job(spec)  # checks files, columns, ids and the model before any actor starts
     index = job.index
     store = OutputStore(spec.output.path)
@@ -105,46 +151,8 @@ def run_ray(spec: JobSpec, restart: bool = False, limit: int | None = None, num_
             return {"status": "already_complete", "rows_total": len(index), "rows_done": len(done)}
         if not ray.is_initialized():
             ray.init(num_cpus=num_cpus, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-        idc = spec.input.id_column
-        todo = pl.DataFrame({idc: index.ids.take(pa.array(keep)), "_pos": keep,
-                             "_shard": index.shard_of[keep].astype(np.int64)})
-        todo_ref = ray.put(todo)
-
-        def drop_done(batch: pa.Table) -> pa.Table:
-            import polars as pl
-
-            table = ray.get(todo_ref)
-            b = pl.from_arrow(batch)
-            ids = b.select(pl.col(idc).cast(table.schema[idc]))
-            # Built on the batch, probing the to-do table: cheap whatever the input's size.
-            rows = table.join(ids, on=idc, how="semi")
-            return b.with_columns(pl.col(idc).cast(table.schema[idc])).join(rows, on=idc, how="inner").to_arrow()
-
-        gpus = 1 if spec.model.device == "cuda" or (spec.model.device == "auto" and ray.cluster_resources().get("GPU")) \
-            else 0
-        files = [s.path for s in index.shards]
-        ds = ray.data.read_parquet(files).select_columns(needed_columns(spec.input))
-        ds = ds.map_batches(drop_done, batch_format="pyarrow")
-        ds = ds.map_batches(EngineActor, fn_constructor_kwargs={"spec_data": spec.model_dump(mode="json")},
-                            batch_format="pyarrow", batch_size=max(64, spec.engine.max_num_seqs),
-                            concurrency=num_actors, num_gpus=gpus)
         t0 = time.monotonic()
-        names = [s.name for s in index.shards]
-        rows = errors = tokens = 0
-        for out in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-            if not out.num_rows:
-                continue
-            firsts = pa.array(group_starts(out.column("_pos")))
-            pos = out.column("_pos").take(firsts).to_pylist()
-            table = out.drop_columns(["_pos"])
-            shards: dict[str, int] = {}
-            for p in pos:
-                shards[names[int(index.shard_of[p])]] = shards.get(names[int(index.shard_of[p])], 0) + 1
-            store.commit(table, table.column("id").take(firsts).to_pylist(), pos, shards)
-            rows += len(pos)
-            failed = table.filter(table.column("error").is_valid()).column("id").to_pylist()
-            errors += len(set(failed))
-            tokens += sum(table.column("completion_tokens").to_pylist())
+        rows, errors, tokens = _commit_stream(_dataset(ray, spec, index, keep, num_actors), store, index)
         rows_done = len(done) + rows
         summary = {"runner": "ray", "rows_total": len(index), "rows_done": rows_done, "rows_ok": rows - errors,
                    "rows_error": errors, "completion_tokens": tokens,

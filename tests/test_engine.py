@@ -406,3 +406,20 @@ def test_keep_freed_memory_keeps_large_buffers_on_the_heap():
     assert out["1"] == ["False", "False"], "not applied: glibc mmapped it"
 
 
+
+
+def test_n_samples_fork_after_one_prefill_and_match_independent_requests(family_model):
+    """n = 4: the prompt is prefilled once and the other samples fork from it (75% of prompt
+    tokens are prefix hits); each sample equals an independent request with seed + i."""
+    _, model = family_model
+    ps = prompts(seed=3, lengths=(37, 20, 50, 16))
+    sp = SamplingParams(max_tokens=10, temperature=0.8, seed=11, n=4, ignore_eos=True)
+    e = engine(model, linear_path="plain", decode_attention="exact")
+    forked = run(e, ps, sp)
+    assert e.kv_manager.prefix_hit_rate() >= 0.75 and e.scheduler.stats.prefill_tokens == sum(map(len, ps))
+    e.kv_manager.check_all_free()
+    for i in range(4):
+        alone = run(engine(model, linear_path="plain", decode_attention="exact"), ps,
+                    SamplingParams(max_tokens=10, temperature=0.8, seed=11 + i, ignore_eos=True))
+        for k in range(len(ps)):
+            assert forked[(str(k), i)].token_ids == alone[(str(k), 0)].token_ids, (k, i)

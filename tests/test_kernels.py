@@ -124,6 +124,24 @@ def test_block_copy_round_trip():
     assert torch.equal(dst, want)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (examples/gpu_check.py runs it)")
+def test_block_copy_between_a_device_cache_and_a_pinned_host_tier():
+    """Device -> pinned host -> device round trips of many blocks, with the host side read right
+    after each call: a host read racing the asynchronous copy would see stale blocks."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dev = torch.randn(512, 16, 8, 128, device="cuda", generator=g).to(torch.bfloat16)
+    host = torch.zeros(600, 16, 8, 128, dtype=torch.bfloat16, pin_memory=True)
+    ids = torch.randperm(512)[:300]
+    slots = torch.randperm(600)[:300]
+    for _ in range(3):
+        dev.mul_(1.5)  # new contents each round, so a stale read cannot pass by luck
+        copy_blocks(dev, host, ids, slots)
+        assert torch.equal(host[slots], dev[ids.cuda()].cpu())
+        back = torch.zeros_like(dev)
+        copy_blocks(host, back, slots, ids)
+        assert torch.equal(back[ids.cuda()], dev[ids.cuda()])
+
+
 def test_launchers_reject_bad_shapes_and_dtypes():
     kc, vc = make_cache(4, 16, 2, 64, torch.float32)
     q = torch.randn(2, 5, 64)  # 5 heads over 2 KV heads

@@ -25,7 +25,8 @@ def req(rid, n_prompt, max_tokens=4, first=10, **kw):
 def step(s: Scheduler, token=7, tokens=None):
     """One step with a fake runner that samples `token` (or tokens[req_id]) for each sampled seq."""
     out = s.schedule()
-    sampled = {q.request_id: SampledToken((tokens or {}).get(q.request_id, token)) for q in out.seqs if q.sample}
+    sampled = {rid: SampledToken((tokens or {}).get(rid, token))
+               for q in out.seqs if q.sample for rid in [q.request_id] + [c for c, _ in q.forks]}
     s.update(out, RunnerOutput(sampled))
     return out
 
@@ -195,3 +196,45 @@ def test_runs_never_cost_capacity():
     run_all(s)
     assert all(r.finish_reason == "length" for r in s.requests.values())
     s.kv.pool.check_all_free()
+
+
+def _family(n_prompt, n, max_tokens=3):
+    parent = req("p\x000", n_prompt, max_tokens=max_tokens)
+    parent.forks = [req(f"p\x00{i}", n_prompt, max_tokens=max_tokens) for i in range(1, n)]
+    return parent
+
+
+def test_forks_share_the_prompt_blocks_and_copy_the_partial_one():
+    s = make(num_blocks=64, block_size=4, caching=True)
+    s.add_request(_family(10, 3))
+    out = step(s)
+    assert out.seqs[0].forks and [q.request_id for q in out.seqs] == ["p\x000"], "one prefill"
+    ids = {i: s.kv.block_ids(f"p\x00{i}") for i in range(3)}
+    assert ids[1][:2] == ids[2][:2] == ids[0][:2], "full blocks shared"
+    assert len({ids[0][2], ids[1][2], ids[2][2]}) == 3, "each sample has its own last block"
+    nxt = s.schedule()
+    assert sorted(nxt.copy_within) == sorted((ids[0][2], ids[k][2]) for k in (1, 2))
+    assert [q.request_id for q in nxt.seqs] == ["p\x000", "p\x001", "p\x002"] and nxt.num_tokens == 3
+    assert s.kv.prefix_hit_rate() >= 2 / 3
+    s.update(nxt, RunnerOutput({q.request_id: SampledToken(7) for q in nxt.seqs}))
+    run_all(s)
+    assert all(s.requests[f"p\x00{i}"].num_output_tokens == 3 for i in range(3))
+    s.kv.check_all_free()
+
+
+def test_a_fork_without_a_free_block_waits_and_runs_as_its_own_request():
+    s = make(num_blocks=3, block_size=4)  # the prompt takes all 3 blocks: no room for a copy
+    s.add_request(_family(10, 2, max_tokens=2))
+    step(s)
+    assert [r.request_id for r in s.waiting] == ["p\x001"] and s.requests["p\x001"].num_output_tokens == 0
+    run_all(s)
+    assert s.requests["p\x001"].num_output_tokens == 2 and s.requests["p\x000"].num_output_tokens == 2
+    s.kv.check_all_free()
+
+
+def test_a_rejected_request_rejects_its_forks():
+    s = make(num_blocks=2, block_size=4)
+    s.add_request(_family(10, 3))
+    out = step(s)
+    assert sorted(out.rejected) == ["p\x000", "p\x001", "p\x002"]
+    assert all(s.requests[f"p\x00{i}"].error for i in range(3))

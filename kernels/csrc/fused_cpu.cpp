@@ -85,8 +85,8 @@ void rope_impl(T* x, const T* cos, const T* sin, int64_t n, int64_t heads, int64
 // gate_up [n, 2 * inter] -> out [n, inter] = silu(gate) * up.
 #ifdef __AVX512F__
 // silu(g) * u for 16 lanes: g * sigmoid(g), sigmoid through exp(-|g|) and a refined reciprocal.
-// libmvec's exp plus a true division cost ~40 cycles per 16 values, which made this op
-// compute-bound (369 us per decode step of 256 rows in fp32); this is ~4x cheaper.
+// libmvec's exp plus a true division made this op compute-bound; a polynomial and a refined
+// reciprocal keep it memory-bound.
 // exp(x), x <= 0: 2^k * p(r) with x = k ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial
 // (relative error < 3e-8 on that range, below fp32's half-ulp).
 inline __m512 exp_neg(__m512 x) {

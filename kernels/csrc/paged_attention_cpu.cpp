@@ -135,9 +135,8 @@ inline __m256 transpose_sum8(const __m512* a) {
 }
 
 // One sequence, every KV head, G query heads per KV head of ND x 16 dims. Walking block by block
-// and head by head inside a block reads each block as one contiguous span (an earlier version
-// took one (sequence, head) per work item, striding over the other heads' rows, and ran ~2x
-// slower: it stalled on its loads).
+// and head by head inside a block reads each block as one contiguous span (one (sequence, head)
+// per work item would stride over the other heads' rows and stall on its loads).
 template <int G, int ND, typename KT>
 void decode_seq_avx512(float* o, float* lse, const float* q, const KT* kc, const KT* vc, const float* ks,
                        const float* vs, const int64_t* table, int64_t lo, int64_t hi, int64_t kvh, int64_t bs,

@@ -6,8 +6,9 @@ is evicted from the front of the queue.
 
 Runs: a sequence can take its first blocks at the start of a run of free blocks and reserve
 the rest of the run for its growth (`allocate_run`, then `take_next`), so its blocks sit at
-consecutive addresses. CPU decode attention reads a sequence's KV block by block; scattered
-12 KiB blocks reached ~21 GB/s there, consecutive ones ~27. A reservation is soft: reserved
+consecutive addresses. CPU decode attention reads a sequence's KV block by block, and the
+hardware prefetcher follows consecutive blocks but not scattered ones
+(`python examples/bench_cpu_attention.py` times both layouts). A reservation is soft: reserved
 blocks count as free and plain `allocate` takes them (after every unreserved one), so it never
 costs capacity or causes a preemption.
 """

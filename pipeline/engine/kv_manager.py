@@ -53,9 +53,11 @@ class KVCacheManager:
         self._swapped: dict[str, list[Block]] = {}
         # Per request: its reserved run of blocks [start, end) for growth (see BlockPool).
         self._runs: dict[str, tuple[int, int]] = {}
-        # This step's copies, (device block, CPU block) and (CPU block, device block).
+        # This step's copies, (device block, CPU block), (CPU block, device block) and
+        # (device block, device block) for forked samples.
         self._to_cpu: list[tuple[int, int]] = []
         self._to_device: list[tuple[int, int]] = []
+        self._within: list[tuple[int, int]] = []
         # CPU blocks read by this step's loads: released once the step is done.
         self._cpu_release: list[Block] = []
         self.tier = TierStats()
@@ -247,10 +249,35 @@ class KVCacheManager:
         self.pool.free(list(reversed(blocks)))
         self._release_run(req)
 
-    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """This step's copies: (device->CPU pairs, CPU->device pairs); run in that order."""
-        out, self._to_cpu, into, self._to_device = self._to_cpu, [], self._to_device, []
-        return out, into
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's copies: (device->CPU pairs, CPU->device pairs, device->device pairs); run in
+        that order."""
+        out, self._to_cpu, into, self._to_device, within, self._within = (self._to_cpu, [], self._to_device, [],
+                                                                          self._within, [])
+        return out, into, within
+
+    def fork(self, parent: Request, child: Request) -> bool:
+        """Give child the KV of parent's computed tokens: the full blocks shared (a reference
+        each), the partly filled last block copied into a new one (a device copy queued for the
+        next step, before anyone writes to it). False, changing nothing, when no block is free."""
+        blocks = self._blocks.get(parent.request_id, [])
+        n = parent.num_computed_tokens
+        full = n // self.block_size
+        partial = n % self.block_size != 0
+        if partial and self.pool.num_free_blocks < 1:
+            return False
+        shared = [b for b in blocks[:full] if b is not None]
+        self.pool.touch(shared)
+        table = list(blocks[:full])
+        if partial:
+            (copy,) = self.pool.allocate(1)
+            self._within.append((blocks[full].block_id, copy.block_id))
+            table.append(copy)
+        self._blocks[child.request_id] = table
+        self._hashes[child.request_id] = list(self._hashes.get(parent.request_id, []))
+        self.prefix_queries += n
+        self.prefix_hits += n
+        return True
 
     def end_step(self) -> None:
         if self._cpu_release:

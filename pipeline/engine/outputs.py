@@ -20,6 +20,9 @@ class ScheduledSeq:
     sampling: SamplingParams
     # Index of the token about to be sampled among the outputs; with the seed it fixes the draw.
     output_index: int
+    # Sibling samples (n > 1) that fork from this sequence once its prompt is in: each draws its
+    # own first token from this sequence's last logits. (request id, sampling) per sibling.
+    forks: list[tuple[str, SamplingParams]] = field(default_factory=list)
 
 
 @dataclass
@@ -35,6 +38,9 @@ class SchedulerOutput:
     # (CPU block, device block) pairs (swap-ins and prefix reloads).
     copy_to_cpu: list[tuple[int, int]] = field(default_factory=list)
     copy_to_device: list[tuple[int, int]] = field(default_factory=list)
+    # (device block, device block) pairs: a forked sample's copy of its parent's partial block,
+    # made after the tier copies and before the forward pass.
+    copy_within: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

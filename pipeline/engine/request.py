@@ -70,6 +70,9 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     # Per generated token: (chosen logprob, {token: logprob} of the top-k), when asked for.
     logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    # Sibling samples (n > 1) not started yet: they fork from this request once its prompt is
+    # computed, sharing its prompt's KV blocks instead of prefilling the prompt again.
+    forks: list["Request"] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

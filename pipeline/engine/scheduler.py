@@ -62,13 +62,17 @@ class Scheduler:
     # -- admission -------------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests:
-            raise ValueError(f"duplicate request id {req.request_id!r}")
-        self.requests[req.request_id] = req
+        """Queue a request; its forks (sibling samples) are known here and start from it later."""
+        for r in [req] + req.forks:
+            if r.request_id in self.requests:
+                raise ValueError(f"duplicate request id {r.request_id!r}")
+            self.requests[r.request_id] = r
         reason = self._never_fits(req)
         if reason:
-            self._finish(req, "error", error=reason)
-            self._rejected.append(req)
+            for r in [req] + req.forks:
+                self._finish(r, "error", error=reason)
+                self._rejected.append(r)
+            req.forks = []
             return
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
@@ -111,7 +115,7 @@ class Scheduler:
         if not out.preempted and self.admitting:
             budget = self._admit(budget, scheduled)
         out.seqs = [self._scheduled_seq(req, n) for req, n in scheduled]
-        out.copy_to_cpu, out.copy_to_device = self.kv.take_transfers()
+        out.copy_to_cpu, out.copy_to_device, out.copy_within = self.kv.take_transfers()
         self._account(out)
         return out
 
@@ -172,14 +176,16 @@ class Scheduler:
 
     def _scheduled_seq(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
+        sample = start + n == req.num_tokens
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.token_ids_slice(start, start + n),
             start_pos=start,
             block_table=self.kv.block_ids(req.request_id),
-            sample=start + n == req.num_tokens,
+            sample=sample,
             sampling=req.sampling,
             output_index=req.num_output_tokens,
+            forks=[(f.request_id, f.sampling) for f in req.forks] if sample and req.num_output_tokens == 0 else [],
         )
 
     def _account(self, out: SchedulerOutput) -> None:
@@ -201,7 +207,6 @@ class Scheduler:
         now = self.clock()
         self.kv.end_step()
         touched: list[Request] = []
-        finished: list[Request] = []
         for seq in sched.seqs:
             req = self.requests[seq.request_id]
             req.num_computed_tokens += len(seq.token_ids)
@@ -210,19 +215,43 @@ class Scheduler:
             tok = result.sampled.get(seq.request_id)
             if tok is None:
                 continue
-            req.output_token_ids.append(tok.token_id)
-            req.token_times.append(now)
-            self.stats.generated_tokens += 1
-            if tok.logprob is not None:
-                req.logprobs.append((tok.logprob, tok.top_logprobs or {}))
+            if seq.forks:
+                touched += self._start_forks(req, result, now)
+            self._append_token(req, tok, now)
             touched.append(req)
-            reason = self._stop_reason(req, tok.token_id)
-            if reason:
-                finished.append(req)
-                self._finish(req, reason)
         for req_id in sched.rejected:
             touched.append(self.requests[req_id])
         return touched
+
+    def _append_token(self, req: Request, tok, now: float) -> None:
+        req.output_token_ids.append(tok.token_id)
+        req.token_times.append(now)
+        self.stats.generated_tokens += 1
+        if tok.logprob is not None:
+            req.logprobs.append((tok.logprob, tok.top_logprobs or {}))
+        reason = self._stop_reason(req, tok.token_id)
+        if reason:
+            self._finish(req, reason)
+
+    def _start_forks(self, parent: Request, result: RunnerOutput, now: float) -> list[Request]:
+        """parent's prompt is in: each sibling takes its KV (shared blocks) and the first token the
+        runner drew for it from parent's logits, and joins the running batch. A sibling that finds
+        no seat or block waits instead, to be admitted as a request of its own (a prefix hit)."""
+        started = []
+        for child in parent.forks:
+            tok = result.sampled.get(child.request_id)
+            if tok is None or len(self.running) >= self.config.max_num_seqs or not self.kv.fork(parent, child):
+                child.status = RequestStatus.WAITING
+                self.waiting.appendleft(child)
+                continue
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_prompt_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+            self._append_token(child, tok, now)
+            started.append(child)
+        parent.forks = []
+        return started
 
     def _stop_reason(self, req: Request, token_id: int) -> str | None:
         sp = req.sampling

@@ -48,6 +48,11 @@ class InputIndex:
         s = self.shards[int(self.shard_of[i])]
         return f"{s.path}, row {int(self.row_in_shard[i])} (id {self.ids[i].as_py()!r})"
 
+    def shard_counts(self, pos) -> dict[str, int]:
+        """Rows per shard name among index positions `pos` (for the ledger)."""
+        counts = np.bincount(self.shard_of[np.asarray(pos, dtype=np.int64)], minlength=len(self.shards))
+        return {self.shards[i].name: int(c) for i, c in enumerate(counts) if c}
+
     def take(self, keep: np.ndarray) -> "InputIndex":
         """The rows at positions `keep` (in order); shards stay whole so their names are stable."""
         return InputIndex(self.shards, self.ids.take(pa.array(keep, type=pa.int64())), self.shard_of[keep],

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..digest import file_sha256
 from ..errors import ConfigError, DiskFullError, LockedError, OutputError
 
 log = logging.getLogger("batchgen")
@@ -63,14 +63,6 @@ def atomic_write(path: Path, write) -> None:
 
 def atomic_write_json(path: Path, data) -> None:
     atomic_write(path, lambda f: f.write(json.dumps(data, indent=1, sort_keys=True).encode()))
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_error(err: OSError, path: Path, kept: str) -> Exception:
@@ -296,19 +288,24 @@ class OutputStore:
                 else:
                     f.unlink()
 
+    def _write_part(self, name: str, table: pa.Table, ids: list, pos: list, shards: dict) -> LedgerEntry:
+        """The part file, durable, and its (not yet written) ledger entry with size and checksum."""
+        part = self.parts / f"{name}.parquet"
+        atomic_write(part, lambda f: pq.write_table(table, f))
+        files = {part.name: {"bytes": part.stat().st_size, "sha256": file_sha256(part)}}
+        return LedgerEntry(f"{name}.json", [part.name], files, ids, pos, shards)
+
     def commit(self, table: pa.Table, ids: list, pos: list, shards: dict) -> str:
         """Write one part durably, then record its ids as done."""
         name = f"part-{self._next_part:06d}"
         self._next_part += 1
-        part = self.parts / f"{name}.parquet"
         try:
-            atomic_write(part, lambda f: pq.write_table(table, f))
-            files = {part.name: {"bytes": part.stat().st_size, "sha256": file_sha256(part)}}
-            entry = LedgerEntry(f"{name}.json", [part.name], files, ids, pos, shards)
+            entry = self._write_part(name, table, ids, pos, shards)
             atomic_write_json(self.ledger / entry.name, entry.dump())
         except OSError as e:
-            part.unlink(missing_ok=True)
-            raise write_error(e, part, f"{self.rows_committed} rows committed by this run before it are kept") from None
+            (self.parts / f"{name}.parquet").unlink(missing_ok=True)
+            raise write_error(e, self.parts / f"{name}.parquet",
+                              f"{self.rows_committed} rows committed by this run before it are kept") from None
         self.rows_committed += len(ids)
         return name
 
@@ -321,11 +318,7 @@ class OutputStore:
         staged = []
         first = max((int(p.stem.split("-")[1]) for p in self.parts.glob("final-*.parquet")), default=0) + 1
         for k, (table, ids, pos, shards) in enumerate(tables):
-            name = f"final-{first + k:06d}"
-            part = self.parts / f"{name}.parquet"
-            atomic_write(part, lambda f, t=table: pq.write_table(t, f))
-            files = {part.name: {"bytes": part.stat().st_size, "sha256": file_sha256(part)}}
-            entry = LedgerEntry(f"{name}.json", [part.name], files, ids, pos, shards)
+            entry = self._write_part(f"final-{first + k:06d}", table, ids, pos, shards)
             atomic_write_json(self.ledger / f".staged-{entry.name}", entry.dump())
             staged.append(entry.name)
         atomic_write_json(self.ledger / "compaction.json", {"finals": staged, "replaces": sorted(replaces)})

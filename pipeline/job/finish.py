@@ -58,18 +58,13 @@ def compact_input_order(store: OutputStore, spec: JobSpec, index: InputIndex) ->
                                                        type=pa.int64()))
 
     tmp = store.root / f".compact.tmp-{os.getpid()}"
-    names = [s.name for s in index.shards]
 
     def finals():
         for t in rebatch(external_sort(sources(), keys, tmp), spec.output.rows_per_part, group="_pos"):
             firsts = pa.array(group_starts(t.column("_pos")))
             pos = t.column("_pos").take(firsts).to_pylist()
             ids = t.column("id").take(firsts).to_pylist()
-            shards: dict[str, int] = {}
-            for p in pos:
-                name = names[int(index.shard_of[p])]
-                shards[name] = shards.get(name, 0) + 1
-            yield t.drop_columns(["_pos"]), ids, pos, shards
+            yield t.drop_columns(["_pos"]), ids, pos, index.shard_counts(pos)
 
     try:
         store.write_finals(finals(), replaces=list(entries))

@@ -69,7 +69,7 @@ def _run_job(spec: JobSpec, restart: bool, limit: int | None, shard: tuple[int, 
         log.info("%d rows to run (%d already done, %d in input)", len(keep), len(done), len(job.index))
         stats = RunStats()
         schema = output_schema(spec, job.index.id_type, job.source.passthrough_types)
-        sink = ResultSink(store, spec, schema, [s.name for s in job.index.shards], stats)
+        sink = ResultSink(store, spec, schema, job.index, stats)
         try:
             summary = _generate(job, keep, sink, stats, t0, progress, stop)
         except Aborted:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from ..config import JobSpec
+from ..io.rows import InputIndex
 from ..io.store import OutputStore
 from .prepare import PreparedRow, RowError
 
@@ -41,11 +42,11 @@ class RunStats:
 class ResultSink:
     """Buffers finished rows (all n samples of an id together) and commits them as parts."""
 
-    def __init__(self, store: OutputStore, spec: JobSpec, schema: pa.Schema, shard_names: list[str] | None,
+    def __init__(self, store: OutputStore, spec: JobSpec, schema: pa.Schema, index: InputIndex | None,
                  stats: RunStats, rows_per_part: int | None = None) -> None:
-        """shard_names: input shard names by index, for the ledger's per-shard counts."""
+        """index: the job's InputIndex, for the ledger's per-shard counts (None: not counted)."""
         self.store, self.spec, self.schema, self.stats = store, spec, schema, stats
-        self.shard_names = shard_names
+        self.index = index
         self.rows_per_part = rows_per_part or spec.output.rows_per_part
         self.n = spec.sampling.n
         self.passthrough = list(spec.input.passthrough_columns)
@@ -109,9 +110,7 @@ class ResultSink:
             return
         cols = {f.name: [r[f.name] for r in self.buffer] for f in self.schema}
         table = pa.table(cols, schema=self.schema)
-        shards: dict[str, int] = {}
-        for r in self.buffer_rows:
-            name = self.shard_names[r.shard] if self.shard_names else str(r.shard)
-            shards[name] = shards.get(name, 0) + 1
-        self.store.commit(table, [r.id for r in self.buffer_rows], [r.pos for r in self.buffer_rows], shards)
+        pos = [r.pos for r in self.buffer_rows]
+        shards = self.index.shard_counts(pos) if self.index is not None else {}
+        self.store.commit(table, [r.id for r in self.buffer_rows], pos, shards)
         self.buffer, self.buffer_rows = [], []

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cache import cache_root
+from ..digest import file_sha256
 from ..errors import ConfigError
 
 log = logging.getLogger("batchgen")
@@ -44,14 +45,6 @@ def default_gguf() -> Path:
     if not files:
         raise ConfigError(f"model: no .gguf file in {folder}")
     return files[0]
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def check_model_type(model_type: str | None, where: str) -> None:

@@ -89,8 +89,8 @@ class CascadeGroup:
 
 def decode_buckets(context_blocks: list[int], max_ratio: float = 1.3) -> list[tuple[int, int]]:
     """Split decodes sorted by context length (in blocks) into contiguous ranges whose longest
-    is at most max_ratio x (+1 block) their shortest, bounding padding work to ~30%.
-    Padding every decode to the batch's longest context cost 5x the real KV traffic."""
+    is at most max_ratio x (+1 block) their shortest, bounding padding work to ~30%, where padding
+    every decode to the batch's longest context would read far more KV than the contexts hold."""
     out = []
     start = 0
     for i in range(1, len(context_blocks) + 1):
@@ -167,8 +167,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, slot_mapping: t
 
 def gather_blocks(cache, tables: torch.Tensor) -> torch.Tensor:
     """cache[tables] for block tables of any shape (dequantised for a QuantCache); index_select
-    copies whole blocks and ran ~1.35x faster than advanced indexing here (64 x 24 blocks:
-    12.2 vs 9.5 ms)."""
+    copies whole blocks where advanced indexing goes element by element."""
     if isinstance(cache, QuantCache):
         return cache.gather(tables)
     return cache.index_select(0, tables.reshape(-1)).view(*tables.shape, *cache.shape[1:])

@@ -184,7 +184,8 @@ class CausalLM:
 
     def greedy_tokens(self, h: torch.Tensor) -> torch.Tensor:
         """argmax of the fp32 logits of final-norm outputs h [rows, hidden], at about the bf16
-        lm_head's cost: bf16 logits first (oneDNN runs bf16 ~2x faster than fp32 here), then an
+        lm_head's cost: bf16 logits first (oneDNN's bf16 GEMM rate is a multiple of fp32's on such
+        CPUs: `batchgen bench` prints both), then an
         fp32 dot product for each token that their error bound leaves in reach of the largest
         (batchgen.kernels.cpu_attention.argmax_verified). The token is the fp32 argmax's."""
         from batchgen.kernels import cpu_attention as ops

@@ -7,6 +7,8 @@ import mmap
 import os
 import sys
 
+from dataclasses import replace
+
 import torch
 
 from ..engine.outputs import RunnerOutput, SampledToken, ScheduledSeq
@@ -28,10 +30,9 @@ _HUGE = 2 << 20
 
 
 # Most logits computed at once on the fused CPU path, in bytes: more rows are split into
-# chunks, each sampled before the next is computed. 256 x 49k fp32 logits (50 MB) overflow the
-# 32 MiB L3 cache: the GEMM writing them ran at ~175 GFLOP/s, 2 x 128 rows at ~206, and the
-# argmax then reads them from cache. bf16 logits of 256 rows fit and gain nothing from chunks
-# (examples/bench_logits.py).
+# chunks, each sampled before the next is computed, so that a chunk's logits stay in the L3
+# cache between the GEMM that writes them and the argmax that reads them
+# (`python examples/bench_logits.py` times all rows at once against chunks).
 LOGITS_CHUNK_BYTES = 24 << 20
 
 
@@ -41,10 +42,10 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 def keep_freed_memory() -> bool:
     """Make glibc keep freed heap memory instead of handing it back to the OS. By default it
     serves blocks above a moving threshold with fresh mmaps and trims the heap's free top, so
-    each step's multi-MB activations were page-faulted in again: ~1.5M minor faults in a 128 x 128
-    fp32 run, against ~0.45M with the mmap threshold pinned at 32 MiB and trimming only past 1 GiB
-    (1.3% and 4.0% faster in two alternating pairs of runs). Process-wide, for CPU engines; a no-op
-    off glibc; BATCHGEN_NO_MALLOPT=1 turns it off. Returns whether it was applied."""
+    each step's multi-MB activations would be page-faulted in again every step (compare the minor
+    faults of `/usr/bin/time -v batchgen bench --peers ''` with and without BATCHGEN_NO_MALLOPT=1).
+    The mmap threshold is pinned at 32 MiB and trimming starts past 1 GiB. Process-wide, for CPU
+    engines; a no-op off glibc; BATCHGEN_NO_MALLOPT=1 turns it off. Returns whether it was applied."""
     if os.environ.get("BATCHGEN_NO_MALLOPT") == "1" or not sys.platform.startswith("linux"):
         return False
     try:
@@ -104,17 +105,19 @@ class KVCache:
         self.bytes = num_blocks * self.block_bytes
         self.cpu_bytes = num_cpu_blocks * self.block_bytes
 
-    def copy(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
-        """Copy whole blocks between the tiers, every layer."""
+    def copy(self, pairs: list[tuple[int, int]], direction: str) -> None:
+        """Copy whole blocks, every layer: direction "to_cpu" (device block, CPU block),
+        "to_device" (CPU block, device block) or "within" (device block, device block)."""
         if not pairs:
             return
         from batchgen.kernels.block_copy import copy_blocks
 
         src_ids = torch.tensor([a for a, _ in pairs], dtype=torch.long)
         dst_ids = torch.tensor([b for _, b in pairs], dtype=torch.long)
-        for dev, cpu in zip(self.layers, self.cpu_layers):
-            for d, c in zip(dev, cpu):
-                src, dst = (d, c) if to_cpu else (c, d)
+        tiers = {"to_cpu": (self.layers, self.cpu_layers), "to_device": (self.cpu_layers, self.layers),
+                 "within": (self.layers, self.layers)}[direction]
+        for src_layer, dst_layer in zip(*tiers):
+            for src, dst in zip(src_layer, dst_layer):
                 parts = [(src.raw, dst.raw), (src.scale, dst.scale)] if isinstance(src, QuantCache) else [(src, dst)]
                 for a, b in parts:
                     copy_blocks(a, b, src_ids, dst_ids)
@@ -137,10 +140,12 @@ class ModelRunner:
     def graph_replays(self) -> int:
         return self.graphs.replays if self.graphs is not None else 0
 
-    def execute(self, seqs: list[ScheduledSeq], copy_to_cpu=(), copy_to_device=()) -> RunnerOutput:
-        # Out before in: a block spilled this step may be the target of a load this step.
-        self.kv.copy(list(copy_to_cpu), to_cpu=True)
-        self.kv.copy(list(copy_to_device), to_cpu=False)
+    def execute(self, seqs: list[ScheduledSeq], copy_to_cpu=(), copy_to_device=(), copy_within=()) -> RunnerOutput:
+        # Out before in: a block spilled this step may be the target of a load this step. Forked
+        # samples copy their parent's last block before anyone writes to it in this step.
+        self.kv.copy(list(copy_to_cpu), "to_cpu")
+        self.kv.copy(list(copy_to_device), "to_device")
+        self.kv.copy(list(copy_within), "within")
         if not seqs:
             return RunnerOutput()
         # Decodes first: groups sharing a cached prefix (cascade), then the rest by context
@@ -154,7 +159,7 @@ class ModelRunner:
         groups, rest = self._cascade_groups(decodes)
         ordered = [s for g, _ in groups for s in g] + rest + [s for s in seqs if len(s.token_ids) > 1]
         input_ids, positions, slots, meta, sample_rows = self._prepare(ordered, groups)
-        sampled_seqs = [ordered[i] for i in sample_rows[1]]
+        sampled_seqs = sample_rows[1]
         if not sampled_seqs:
             self.model.forward(input_ids, positions, meta, self.kv.layers, self._dev(torch.empty(0, dtype=torch.long)))
             return RunnerOutput()
@@ -203,7 +208,11 @@ class ModelRunner:
                 prefills.append(PrefillSeq(start_tok, start_tok + n, s.start_pos, torch.tensor(table, dtype=torch.long)))
             if s.sample:
                 sample_idx.append(start_tok + n - 1)
-                sample_seq.append(i)
+                sample_seq.append(s)
+                # A forked sibling draws its first token from the same row of logits.
+                for child_id, child_sampling in s.forks:
+                    sample_idx.append(start_tok + n - 1)
+                    sample_seq.append(replace(s, request_id=child_id, sampling=child_sampling, forks=[]))
         meta = AttentionMetadata(
             num_decodes=len(decode_tables), decode_block_tables=None, decode_context_lens=None,
             prefills=prefills, slot_mapping=torch.tensor(slots, dtype=torch.long), decode_mode=self.decode_mode,

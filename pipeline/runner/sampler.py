@@ -27,7 +27,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[SampledToken]:
         """logits [num_seqs, vocab] (fp32, or bf16 on the fused path), one row per seq -> one
         token per seq; everything works in fp32 (bf16 -> fp32 is exact and keeps the order, and
-        torch's argmax over bf16 ran 4x slower than converting first)."""
+        torch's argmax over bf16 is slower than converting first)."""
         params = [s.sampling for s in seqs]
         want_logprobs = any(p.logprobs for p in params)
         if self.fused_argmax and not want_logprobs and all(p.greedy for p in params):
