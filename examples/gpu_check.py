@@ -2,7 +2,8 @@
 
     python examples/gpu_check.py [--skip-8b]
 
-(a) runs the kernel tests on real CUDA (TRITON_INTERPRET=0);
+(a) runs the kernel tests on real CUDA (TRITON_INTERPRET=0), among them the tier copy between a
+    device cache and a pinned host tier (test_block_copy_between_a_device_cache_and_a_pinned_host_tier);
 (b) reports decode-attention achieved bandwidth as a fraction of measured device copy bandwidth,
     at contexts of 1k, 8k and 32k tokens with batch 64 (Llama-3-8B KV shape: 8 KV heads, 32 query
     heads, head_dim 128, bf16);

@@ -81,6 +81,11 @@ class InputSpec(Strict):
         return self.format == "openai_batch" or "n" in self.sampling_columns
 
     @property
+    def per_row_logprobs(self) -> bool:
+        """Whether a row may ask for logprobs of its own."""
+        return self.format == "openai_batch" or "logprobs" in self.sampling_columns
+
+    @property
     def paths(self) -> list[str]:
         return [self.path] if isinstance(self.path, str) else list(self.path or [])
 

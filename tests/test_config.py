@@ -80,9 +80,12 @@ def test_output_schema_doc_matches_the_writer():
 
     doc = json.loads((REPO / "schemas" / "output.schema.json").read_text())
     # Every optional column at once: n > 1, truncation.
-    spec = JobSpec.model_validate({"input": {"path": "x"}, "output": {"path": "o"}, "sampling": {"n": 2},
+    from batchgen.job.sink import LOGPROBS_TYPE
+
+    spec = JobSpec.model_validate({"input": {"path": "x"}, "output": {"path": "o"}, "sampling": {"n": 2, "logprobs": 2},
                                    "on_too_long": "truncate_left"})
     schema = output_schema(spec, pa.string(), {})
     assert schema.names == list(doc["properties"])
-    types = {"string": pa.string(), "int32": pa.int32(), "double": pa.float64(), "bool": pa.bool_()}
+    types = {"string": pa.string(), "int32": pa.int32(), "double": pa.float64(), "bool": pa.bool_(),
+             str(LOGPROBS_TYPE): LOGPROBS_TYPE}
     assert [types[p["x-arrow-type"]] for p in doc["properties"].values()] == schema.types

@@ -423,3 +423,35 @@ def test_n_samples_fork_after_one_prefill_and_match_independent_requests(family_
                     SamplingParams(max_tokens=10, temperature=0.8, seed=11 + i, ignore_eos=True))
         for k in range(len(ps)):
             assert forked[(str(k), i)].token_ids == alone[(str(k), 0)].token_ids, (k, i)
+
+
+@pytest.mark.parametrize("temperature,top_k", [(0.0, 0), (0.7, 0), (1.3, 20)])
+def test_logprobs_are_the_log_softmax_of_the_distribution_sampled_from(family_model, monkeypatch, temperature, top_k):
+    """Each generated token's logprob and top-K equal torch.log_softmax of the engine's own logits
+    after temperature and top-k (as sampled), to fp32 rounding."""
+    from batchgen.runner.sampler import Sampler
+
+    _, model = family_model
+    seen = {}
+    real = Sampler.__call__
+
+    def spy(self, logits, seqs):
+        for row, s in zip(logits.float(), seqs):
+            seen[(s.request_id, s.output_index)] = row.clone()
+        return real(self, logits, seqs)
+
+    monkeypatch.setattr(Sampler, "__call__", spy)
+    sp = SamplingParams(max_tokens=6, temperature=temperature, top_k=top_k, seed=4, logprobs=4, ignore_eos=True)
+    res = run(engine(model), prompts()[:4], sp)
+    checked = 0
+    for (rid, _), r in res.items():
+        for k, (tok, (lp, top)) in enumerate(zip(r.token_ids, r.logprobs)):
+            row = seen[(f"{rid}\x000", k)] / (temperature or 1.0)
+            if top_k:
+                row = row.masked_fill(row < row.topk(top_k).values[-1], float("-inf"))
+            want = torch.log_softmax(row, -1)
+            assert abs(lp - want[tok].item()) < 1e-5 and len(top) == 4
+            vals, idx = want.topk(4)
+            assert list(top) == idx.tolist() and torch.allclose(torch.tensor(list(top.values())), vals, atol=1e-5)
+            checked += 1
+    assert checked == 24

@@ -65,11 +65,19 @@ def test_sweep_writes_a_table_and_a_plot(tmp_path, tiny_model_dir):
         parse_sweep("temperature=1,2")
 
 
-def test_latency_profile_caps_the_batch(tiny_model_dir):
-    from batchgen.llm import Engine
-    from batchgen.runner.build import LATENCY_MAX_SEQS
+def test_latency_profile_caps_the_batch():
+    """profile: latency runs at most 16 sequences and 512 tokens a step, whatever max_num_seqs says."""
+    from batchgen.engine.request import SamplingParams
+    from batchgen.llm import Engine, GenerationRequest
     from helpers import tiny_hf_model
+    from test_engine import IdTokenizer, prompts
 
-    e = Engine(tiny_hf_model("llama"), None, *engine_specs(profile="latency", max_num_seqs=256, kv_cache_gib=0.01))
-    assert e.config.max_num_seqs == LATENCY_MAX_SEQS and e.scheduler.config.max_num_seqs == LATENCY_MAX_SEQS
-    assert e.counters()["profile"] == "latency"
+    e = Engine(tiny_hf_model("llama"), IdTokenizer(), *engine_specs(profile="latency", max_num_seqs=256,
+                                                                    kv_cache_gib=0.05))
+    steps = []
+    schedule = e.scheduler.schedule
+    e.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    out = list(e.generate(GenerationRequest(str(i), p, sp) for i, p in enumerate(prompts(lengths=[60] * 40))))
+    assert len(out) == 40 and e.counters()["profile"] == "latency"
+    assert e.scheduler.stats.peak_running == 16 and max(s.num_tokens for s in steps) == 512

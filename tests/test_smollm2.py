@@ -12,6 +12,8 @@ from helpers import engine_specs, read_output
 
 N_PROMPTS, N_NEW, TOP = 20, 32, 5
 
+pytestmark = pytest.mark.slow  # the real SmolLM2: `pytest -m 'not slow'` skips these
+
 
 def test_example_job_answers_paris(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)

@@ -24,7 +24,9 @@ class SamplingParams(BaseModel):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = Field(1, ge=1, description="Samples per row; each sample is its own output row with sample_index")
-    logprobs: int = Field(0, ge=0, le=20, description="Top log-probabilities returned per generated token (0: none)")
+    logprobs: int | None = Field(None, ge=0, le=20, description=(
+        "Adds a logprobs column: per generated token its logprob and the top-K alternatives (0: the token's own "
+        "only). Of the distribution sampled from: after temperature, top-k/top-p/min-p and any constraint"))
 
     @field_validator("stop")
     @classmethod

@@ -199,7 +199,7 @@ def resolve_jsonl_paths(paths: list[str]) -> list[Path]:
 
 
 def _logprobs_content(entries) -> list[dict] | None:
-    """Our logprobs column ([{token, logprob, top: [{token, logprob}]}]) in OpenAI's shape."""
+    """Our logprobs column ([{token, token_id, logprob, top: [...]}]) in OpenAI's shape."""
     if entries is None:
         return None
     return [{"token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode("utf-8")),

@@ -18,7 +18,7 @@ from .finish import finish_outputs
 from .prepare import PreparedJob, prepare_job
 from .progress import Progress
 from .signals import StopFlag
-from .sink import ResultSink, RunStats, output_schema
+from .sink import ResultSink, RunStats, TokenText, output_schema
 
 log = logging.getLogger("batchgen")
 
@@ -127,10 +127,12 @@ def generate_rows(engine, windows, sink: ResultSink, stop: StopFlag | None = Non
                 yield GenerationRequest(key, r.token_ids, r.sampling)
 
     should_stop = (lambda: bool(stop)) if stop is not None else None
+    token_text = TokenText(engine.tokenizer)
     for res in engine.generate(requests(), should_stop=should_stop, grace_s=grace_s, on_step=on_step):
         row = inflight[res.request_id]
         sink.add(row, res.sample_index, res.text, res.finish_reason, res.error, res.prompt_tokens,
-                 res.completion_tokens, res.ttft_s, res.itl_s, res.cached_tokens)
+                 res.completion_tokens, res.ttft_s, res.itl_s, res.cached_tokens,
+                 token_text.records(res.token_ids, res.logprobs))
         if row.pos not in sink.partial:
             del inflight[res.request_id]
 

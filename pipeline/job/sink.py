@@ -24,7 +24,40 @@ def output_schema(spec: JobSpec, id_type: pa.DataType, passthrough_types: dict[s
                pa.field("itl_s", pa.float64())]
     if spec.on_too_long == "truncate_left":
         fields.append(pa.field("prompt_truncated", pa.bool_(), nullable=False))
+    if wants_logprobs(spec):
+        fields.append(pa.field("logprobs", LOGPROBS_TYPE))
     return pa.schema(fields)
+
+
+def wants_logprobs(spec: JobSpec) -> bool:
+    return spec.sampling.logprobs is not None or spec.input.per_row_logprobs
+
+
+_TOKEN = pa.struct([("token", pa.string()), ("token_id", pa.int32()), ("logprob", pa.float64())])
+# Per generated token: the token, its logprob and the top-K alternatives (null where not asked for).
+LOGPROBS_TYPE = pa.list_(pa.struct(list(_TOKEN) + [pa.field("top", pa.list_(_TOKEN))]))
+
+
+class TokenText:
+    """Token id -> its text (decoded alone), cached: logprobs name every token they list."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, tid: int) -> str:
+        text = self.cache.get(tid)
+        if text is None:
+            text = self.cache[tid] = self.tokenizer.decode([tid])
+        return text
+
+    def records(self, token_ids: list[int], logprobs: list) -> list[dict] | None:
+        """The logprobs column's value for one sample (None when it asked for none)."""
+        if not logprobs:
+            return None
+        return [{"token": self(t), "token_id": t, "logprob": lp,
+                 "top": [{"token": self(a), "token_id": a, "logprob": alp} for a, alp in top.items()]}
+                for t, (lp, top) in zip(token_ids, logprobs)]
 
 
 @dataclass
@@ -59,10 +92,11 @@ class ResultSink:
 
     def add(self, row: PreparedRow | RowError, sample_index: int, text: str | None, finish_reason: str,
             error: str | None, prompt_tokens: int, completion_tokens: int, ttft: float | None, itl: float | None,
-            cached_tokens: int = 0) -> None:
+            cached_tokens: int = 0, logprobs: list | None = None) -> None:
         rec = {"id": row.id, "sample_index": sample_index, "text": text, "finish_reason": finish_reason,
                "error": error, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-               "ttft_s": ttft, "itl_s": itl, "prompt_truncated": getattr(row, "truncated", False)}
+               "ttft_s": ttft, "itl_s": itl, "prompt_truncated": getattr(row, "truncated", False),
+               "logprobs": logprobs}
         rec.update(zip(self.passthrough, row.passthrough))
         s = self.stats
         if error is None:

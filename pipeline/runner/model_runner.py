@@ -165,7 +165,8 @@ class ModelRunner:
             return RunnerOutput()
         n = len(sampled_seqs)
         # Greedy rows without logprobs of an fp32 model: tokens from bf16 logits, verified in fp32.
-        verified = self.model.verified_greedy and all(s.sampling.greedy and not s.sampling.logprobs for s in sampled_seqs)
+        verified = self.model.verified_greedy and all(s.sampling.greedy and s.sampling.logprobs is None
+                                                      for s in sampled_seqs)
         itemsize = 2 if verified else self.model.dtype.itemsize
         rows = max(1, LOGITS_CHUNK_BYTES // (self.model.shape.vocab_size * itemsize))
         if self.model.fused and (verified or n > rows):
