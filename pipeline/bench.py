@@ -38,41 +38,48 @@ class BenchResult:
         return (self.output_tokens + self.prompt_tokens) / self.wall_s
 
     def row(self) -> dict:
+        extra = {k: v for k, v in self.extra.items() if k != "output_lengths"}
         return {"name": self.name, "requests": self.num_requests, "prompt_tokens": self.prompt_tokens,
                 "output_tokens": self.output_tokens, "wall_s": round(self.wall_s, 2),
-                "output_tok_s": round(self.output_tps, 1), "total_tok_s": round(self.total_tps, 1), **self.extra}
+                "output_tok_s": round(self.output_tps, 1), "total_tok_s": round(self.total_tps, 1), **extra}
 
 
-def workload_requests(items: list[WorkloadItem]):
-    """Greedy requests for a workload: each item's own output length, EOS ignored."""
+def workload_requests(items: list[WorkloadItem], response_format: dict | None = None):
+    """Greedy requests for a workload: each item's own output length, EOS ignored (a constrained
+    request still ends when its constraint is complete)."""
     from .engine.request import SamplingParams
     from .llm import GenerationRequest
 
     return [GenerationRequest(str(i), w.prompt_token_ids,
-                              SamplingParams(max_tokens=w.output_len, temperature=0, ignore_eos=True))
+                              SamplingParams(max_tokens=w.output_len, temperature=0, ignore_eos=True,
+                                             response_format=response_format))
             for i, w in enumerate(items)]
 
 
-def run_batchgen(hf_model, tokenizer, items: list[WorkloadItem], dtype: str, identity: str, **engine_kw) -> BenchResult:
+def run_batchgen(hf_model, tokenizer, items: list[WorkloadItem], dtype: str, identity: str,
+                 response_format: dict | None = None, **engine_kw) -> BenchResult:
     from .config import EngineSpec, ModelSpec
     from .llm import Engine
 
     engine = Engine(hf_model, tokenizer, EngineSpec(**engine_kw), ModelSpec(dtype=dtype), model_identity=identity,
                     max_seq_tokens=max(len(w.prompt_token_ids) + w.output_len for w in items))
-    reqs = workload_requests(items)
+    reqs = workload_requests(items, response_format)
     t0 = time.perf_counter()
     results = list(engine.generate(reqs))
     wall = time.perf_counter() - t0
     out = sum(r.completion_tokens for r in results)
     c = engine.counters()
-    extra = {"dtype": dtype, "ttft_s": latency_summary([r.ttft_s for r in results if r.ttft_s is not None]),
+    lengths = {r.request_id: r.completion_tokens for r in results}
+    extra = {"dtype": dtype, "output_lengths": [lengths[str(i)] for i in range(len(items))],
+             "ttft_s": latency_summary([r.ttft_s for r in results if r.ttft_s is not None]),
              "itl_s": latency_summary([r.itl_s for r in results if r.itl_s is not None]),
              "kv_cache_gib": round(c["kv_cache_bytes"] / 2**30, 3), "num_kv_blocks": c["num_kv_blocks"],
              "peak_kv_blocks": c["peak_kv_blocks"], "preemptions": c["preemptions"], "steps": c["steps"],
              "peak_running": c["peak_running"], "linear_path": c["linear_path"],
              "attention_backend": c["attention_backend"], "fused_layer_ops": c["fused_layer_ops"]}
     del engine
-    return BenchResult(f"batchgen {dtype}", len(items), sum(len(w.prompt_token_ids) for w in items), out, wall, extra)
+    name = f"batchgen {dtype}" + (f" + {response_format['type']}" if response_format else "")
+    return BenchResult(name, len(items), sum(len(w.prompt_token_ids) for w in items), out, wall, extra)
 
 
 def run_hf_generate(hf_model, tokenizer, items: list[WorkloadItem], batch_size: int = 32) -> BenchResult:
@@ -163,9 +170,20 @@ def gemm_ceiling(shape, items: list[WorkloadItem], batch: int = 256) -> dict:
     return out
 
 
+def constrained_pair(hf_model, tokenizer, items: list[WorkloadItem], dtype: str, identity: str,
+                     response_format: dict, engine_kw: dict) -> tuple[BenchResult, BenchResult]:
+    """The workload constrained, then unconstrained with each request's output length set to what
+    it generated constrained: the same tokens either way, so the ratio is the constraint's cost."""
+    from dataclasses import replace
+
+    constrained = run_batchgen(hf_model, tokenizer, items, dtype, identity, response_format, **engine_kw)
+    same = [replace(w, output_len=max(1, n)) for w, n in zip(items, constrained.extra["output_lengths"])]
+    return constrained, run_batchgen(hf_model, tokenizer, same, dtype, identity, None, **engine_kw)
+
+
 def run_bench(num_prompts: int = 256, output_cap: int = 256, dtypes=("float32", "bfloat16"),
               peers=("hf-cb", "hf-generate"), peer_num_prompts: int | None = 64, model: str = "default",
-              engine_kw: dict | None = None, seed: int = 0) -> dict:
+              engine_kw: dict | None = None, seed: int = 0, response_format: dict | None = None) -> dict:
     from .models.loader import load_hf_model, load_tokenizer, resolve_model
     from .shapes import ModelShape
 
@@ -183,6 +201,17 @@ def run_bench(num_prompts: int = 256, output_cap: int = 256, dtypes=("float32", 
     report["ceiling"] = gemm_ceiling(shape, items)
     ours = []
     for dtype in dtypes:
+        if response_format is not None:
+            c, u = constrained_pair(hf_model, tokenizer, items, dtype, source.identity, response_format,
+                                    engine_kw or {})
+            for r in (c, u):
+                log.info("%s: %.1f output tok/s", r.name, r.output_tps)
+                report["results"].append(r.row())
+            report.setdefault("constraint", {})[dtype] = {
+                "response_format": response_format, "output_tokens": c.output_tokens,
+                "constrained_over_unconstrained": round(c.output_tps / u.output_tps, 3)}
+            ours.append(u)
+            continue
         r = run_batchgen(hf_model, tokenizer, items, dtype, source.identity, **(engine_kw or {}))
         log.info("%s: %.1f output tok/s", r.name, r.output_tps)
         report["results"].append(r.row())
@@ -233,6 +262,9 @@ def format_report(report: dict) -> str:
               f"ceiling: {c['ceiling_output_tok_s_float32']} output tok/s fp32, {c['ceiling_output_tok_s_bfloat16']} bf16 "
               f"({c['flop_per_output_token'] / 1e6:.0f} MFLOP per output token)", "", "ratios:"]
     lines += [f"  {k}: {v}" for k, v in report["ratios"].items()]
+    for dt, c in report.get("constraint", {}).items():
+        lines.append(f"  {dt}: with response_format {c['response_format']['type']} / without, same "
+                     f"{c['output_tokens']} output tokens: {c['constrained_over_unconstrained']}")
     lines.append(f"peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB")
     return "\n".join(lines)
 

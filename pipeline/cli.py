@@ -215,7 +215,10 @@ def bench(num_prompts: int = typer.Option(256, "--num-prompts", min=1, help="Sha
           json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report as JSON here"),
           sweep: Optional[str] = typer.Option(None, "--sweep", help="NAME=v1,v2,...: measure the workload at each "
                                               "setting (max_num_seqs, max_num_batched_tokens, block_size)"),
-          plot: Path = typer.Option(Path("out/sweep.png"), "--plot", help="PNG of throughput vs ITL for --sweep")) -> None:
+          plot: Path = typer.Option(Path("out/sweep.png"), "--plot", help="PNG of throughput vs ITL for --sweep"),
+          response_format: Optional[Path] = typer.Option(None, "--response-format", help="A YAML/JSON file holding a "
+                                                        "sampling.response_format: run batchgen with it and without it "
+                                                        "(on the same output tokens) and report the ratio")) -> None:
     """Throughput on a ShareGPT workload (sampled as vLLM's benchmark_throughput), side by side with
     transformers' peers, with this CPU's GEMM ceiling and the ratios. With --sweep: the
     throughput-latency curve (a table and a PNG plot) instead."""
@@ -232,9 +235,21 @@ def bench(num_prompts: int = typer.Option(256, "--num-prompts", min=1, help="Sha
         report = run_sweep(name, values, num_prompts, output_cap, dtypes.split(",")[0], model, kw, str(plot))
         typer.echo(format_sweep(report))
     else:
+        fmt = None
+        if response_format is not None:
+            import yaml
+
+            from .engine.request import ResponseFormat
+
+            try:
+                fmt = ResponseFormat.model_validate(yaml.safe_load(response_format.read_text())).model_dump(
+                    mode="json", by_alias=True, exclude_none=True)
+            except Exception as e:  # noqa: BLE001 - a bad file is a bad command line
+                raise typer.BadParameter(f"{response_format}: {e}", param_hint="--response-format") from None
         report = run_bench(num_prompts, output_cap, [d for d in dtypes.split(",") if d],
                            [p for p in peers.split(",") if p], peer_num_prompts or None, model,
-                           {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens})
+                           {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens},
+                           response_format=fmt)
         typer.echo(format_report(report))
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)

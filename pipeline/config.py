@@ -15,7 +15,7 @@ from .engine.request import SamplingParams
 from .errors import ConfigError
 
 # Sampling fields an input column may override per row.
-ROW_OVERRIDABLE = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "logprobs")
+ROW_OVERRIDABLE = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "logprobs", "response_format")
 
 
 class Strict(BaseModel):
@@ -79,6 +79,11 @@ class InputSpec(Strict):
     def per_row_n(self) -> bool:
         """Whether a row may ask for its own number of samples."""
         return self.format == "openai_batch" or "n" in self.sampling_columns
+
+    @property
+    def per_row_response_format(self) -> bool:
+        """Whether a row may carry a constraint of its own."""
+        return self.format == "openai_batch" or "response_format" in self.sampling_columns
 
     @property
     def per_row_logprobs(self) -> bool:
@@ -174,6 +179,8 @@ def _set_dotted(data: dict, dotted: str) -> None:
     node = data
     parts = key.split(".")
     for p in parts[:-1]:
+        if p == "model" and isinstance(node.get(p), str):
+            node[p] = {"path": node[p]}  # `model: X` is short for `model: {path: X}`
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {dotted!r}: {p} is not a section")

@@ -43,6 +43,8 @@ class GenerationResult:
     itl_s: float | None
     logprobs: list[tuple[float, dict[int, float]]]
     preemptions: int
+    # With sampling.prompt_logprobs: per prompt token after the first, (logprob, top-k).
+    prompt_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
 
     @property
     def completion_tokens(self) -> int:
@@ -85,10 +87,11 @@ class Engine:
     transformers model; feed it GenerationRequests; results stream out as they finish."""
 
     def __init__(self, hf_model, tokenizer, engine: EngineSpec | None = None, model: ModelSpec | None = None, *,
-                 model_identity: str = "", max_seq_tokens: int | None = None) -> None:
+                 model_identity: str = "", max_seq_tokens: int | None = None, grammars=None) -> None:
         """engine and model are the job spec's sections (validated pydantic models); max_seq_tokens
-        is the longest prompt + max_tokens the caller will send (a job knows it after tokenizing),
-        which caps the default KV budget."""
+        is the longest prompt + max_tokens the caller will send, which caps the default KV
+        budget; grammars: a guided.GrammarBook shared with whoever compiled the constraints
+        already (made on first need otherwise)."""
         self.config = spec = build.apply_profile(engine or EngineSpec())
         model = model or ModelSpec()
         self.tokenizer = tokenizer
@@ -117,6 +120,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, Sampler(spec.seed, fused_argmax=backend.fused_ops),
                                   spec.decode_attention, backend.attention, self.window, graphs)
         self.eos_token_ids = self._eos_ids(hf_model, tokenizer)
+        self.grammars = grammars
         log.info("engine: %s %s, linear=%s, attention=%s%s, KV cache %d blocks x %d tokens = %.2f GiB (%d B/token), "
                  "CPU tier %d blocks = %.2f GiB", self.device, build.dtype_name(self.dtype), backend.linear_path,
                  backend.attention, " + fused layer ops" if backend.fused_ops else "",
@@ -193,7 +197,8 @@ class Engine:
 
     def add_request(self, req: GenerationRequest) -> None:
         """Queue a request. With n > 1 its samples are sibling requests "<id>\\x00<i>" (seed + i
-        when seeded): the first prefills the prompt, the others fork from it, sharing its KV."""
+        when seeded): the first prefills the prompt, the others fork from it, sharing its KV. A
+        constraint that does not compile makes it an error result."""
         sp = req.sampling
         now = time.perf_counter()
         samples = []
@@ -205,6 +210,23 @@ class Engine:
                                    self.eos_token_ids, now))
         samples[0].forks = samples[1:]
         self.scheduler.add_request(samples[0])
+        if sp.response_format is not None:
+            error = self._constraint_error(sp.response_format)
+            if error:
+                self.scheduler.reject(samples[0], f"sampling.response_format: {error}")
+
+    def _constraint_error(self, fmt) -> str | None:
+        from .runner.guided import Constraints, GrammarBook, GrammarError
+
+        if self.grammars is None:
+            self.grammars = GrammarBook(self.tokenizer, self.model.shape.vocab_size, self.eos_token_ids)
+        if self.runner.constraints is None:
+            self.runner.constraints = Constraints(self.grammars)
+        try:
+            self.grammars.compile(fmt)
+        except GrammarError as e:
+            return str(e)
+        return None
 
     def step(self) -> list[GenerationResult]:
         sched_out = self.scheduler.schedule()
@@ -237,6 +259,8 @@ class Engine:
 
     def _result(self, req: Request, text: str | None) -> GenerationResult:
         self.scheduler.release(req.request_id)
+        if self.runner.constraints is not None:
+            self.runner.constraints.forget(req.request_id)
         if text is None:
             text = self.decode(req.output_token_ids) if req.output_token_ids else ""
         times = req.token_times
@@ -245,7 +269,7 @@ class Engine:
         rid, _, idx = req.request_id.rpartition("\x00")
         return GenerationResult(rid, int(idx), text, list(req.output_token_ids), req.finish_reason or "error",
                                 req.error, req.num_prompt_tokens, req.num_cached_tokens, ttft, itl, req.logprobs,
-                                req.num_preemptions)
+                                req.num_preemptions, req.prompt_logprobs)
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats

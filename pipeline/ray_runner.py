@@ -144,7 +144,7 @@ def run_ray(spec: JobSpec, restart: bool = False, limit: int | None = None, num_
     store = OutputStore(spec.output.path)
     store.acquire_lock()
     try:
-        done = store.open(fingerprint(spec, index, job.model.identity, job.max_len), restart)
+        done = store.open(fingerprint(spec, index, job.model.identity, job.max_len), restart, index.ids.type)
         keep = todo_positions(job, done, limit)
         if len(keep) == 0:
             log.info("nothing to do: all %d rows of %s are already done", len(index), spec.output.path)

@@ -90,8 +90,8 @@ def test_logits_in_row_chunks_give_the_same_tokens(family_model, reference, monk
     calls = {"greedy": [], "logits": []}
     for name in ("greedy_tokens", "logits"):
         orig = getattr(e.model, name)
-        monkeypatch.setattr(e.model, name, lambda h, orig=orig, name=name: calls[name.split("_")[0]].append(h.shape[0])
-                            or orig(h))
+        monkeypatch.setattr(e.model, name, lambda h, *a, orig=orig, name=name: calls[name.split("_")[0]].append(
+            h.shape[0]) or orig(h, *a))
     _assert_match(run(e, ps), ref)
     assert calls["greedy"] and max(calls["greedy"]) == 3 and not calls["logits"], calls
     e2 = engine(model, seed=7, attention_backend="cpu")  # a fresh one: e's prefix cache would change the steps
@@ -435,10 +435,10 @@ def test_logprobs_are_the_log_softmax_of_the_distribution_sampled_from(family_mo
     seen = {}
     real = Sampler.__call__
 
-    def spy(self, logits, seqs):
+    def spy(self, logits, seqs, mask=None):
         for row, s in zip(logits.float(), seqs):
             seen[(s.request_id, s.output_index)] = row.clone()
-        return real(self, logits, seqs)
+        return real(self, logits, seqs, mask)
 
     monkeypatch.setattr(Sampler, "__call__", spy)
     sp = SamplingParams(max_tokens=6, temperature=temperature, top_k=top_k, seed=4, logprobs=4, ignore_eos=True)

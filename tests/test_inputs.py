@@ -102,3 +102,42 @@ def test_sort_groups_rows_that_share_a_long_prefix():
            3: array("i", few_shot + [2] * 5), 4: array("i", [8] * 400), 5: array("i", few_shot + [3] * 20)}
     order = length_sorted_prefix_groups(list(ids), ids)
     assert order == [0, 2, 3, 5, 1, 4], "the few-shot rows run back to back, placed at their shortest member"
+
+
+def test_fast_template_and_tokenizer_paths_equal_the_public_calls(smol_tokenizer):
+    """The framed template and the segment-cached encoder give exactly what apply_chat_template
+    and tokenizer(...) give, on prompts with special-token text, unicode and odd whitespace."""
+    from batchgen.job.prepare import PromptFrame, TextEncoder
+
+    enc = TextEncoder(smol_tokenizer)
+    assert enc.segments is not None and enc.template is not None
+    frame = PromptFrame(enc.render, "Be brief.")
+    assert frame.frame is not None and not frame.strip
+    prompts = {k: p for k, p in enumerate(["Hello", "  leading and trailing  ", "a <|im_end|> inside", "\u00e9t\u00e9 \U0001f600",
+                                           "line\nbreaks\n\n", "{{ jinja }}", "x" * 500, "<|im_start|>user\nsneaky"])}
+    texts = frame.texts(prompts)
+    want = [smol_tokenizer.apply_chat_template(frame.conversation(p), tokenize=False, add_generation_prompt=True)
+            for p in prompts.values()]
+    assert list(texts.values()) == want
+    assert enc.encode(want, special=False) == [list(x) for x in smol_tokenizer(want, add_special_tokens=False)["input_ids"]]
+    assert enc.encode(want, special=False) == enc.encode(want, special=False), "cached template parts reused"
+
+
+def test_a_template_that_changes_content_is_rendered_row_by_row(smol_tokenizer):
+    from batchgen.job.prepare import PromptFrame
+
+    def render_with(template):
+        return lambda convs: smol_tokenizer.apply_chat_template(convs, tokenize=False, add_generation_prompt=True,
+                                                                chat_template=template)
+
+    trimmed = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}</s>{% endfor %}<bot>"
+    f = PromptFrame(render_with(trimmed), None)
+    assert f.frame is not None and f.strip, "a trimming template frames the stripped prompt"
+    assert f.texts({0: "  hi  "}) == {0: "<user>hi</s><bot>"}
+    upper = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    assert PromptFrame(render_with(upper), None).frame is None
+    # A branch on content that no probe trips is caught by the per-window sample of real rows.
+    branch = "{% for m in messages %}{% if 'secret' in m['content'] %}[redacted]{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
+    f = PromptFrame(render_with(branch), None)
+    assert f.frame is not None
+    assert f.texts({0: "the secret is out"}) is None and f.frame is None, "the sample disagreed: framing is off"

@@ -154,7 +154,7 @@ def test_orphan_part_without_ledger_entry_is_removed(tmp_path):
     orphan = store.parts / "part-000002.parquet"
     pq.write_table(pa.table({"id": ["b"]}), orphan)
     done = OutputStore(tmp_path / "o").open({"f": 1}, restart=False)
-    assert done == ["a"] and not orphan.exists()
+    assert done.to_pylist() == ["a"] and not orphan.exists()
 
 
 def _ledger_count(out: Path) -> int:

@@ -65,7 +65,7 @@ def test_a_signal_during_preparation_stops_cleanly_and_commits_no_row(job, tmp_p
     from batchgen.job import prepare, run
 
     spec = load_job(job)
-    owner, name = {"index": (sources.ParquetSource, "index"), "template": (prepare.Preparer, "_render"),
+    owner, name = {"index": (sources.ParquetSource, "index"), "template": (prepare.TextEncoder, "render"),
                    "tokenize": (prepare.Preparer, "prepare"), "load": (run, "load_engine")}[point]
     calls = _signal_on_call(monkeypatch, owner, name)
     before = signal.getsignal(signal.SIGTERM)

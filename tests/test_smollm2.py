@@ -112,3 +112,61 @@ def test_quantised_kv_quality_on_64_sharegpt_prompts(hf_model, smol_tokenizer, k
     assert q["mean_abs_logprob_diff"] <= max_mean
     assert q["exact_match_rate"] >= min_exact
     assert q[f"kv_bytes_per_token_{kv_dtype}"] * 3.5 < q["kv_bytes_per_token_fp"]
+
+
+def test_json_extraction_and_choice_jobs_on_the_real_model(tmp_path):
+    """A held-out extraction job: every row that ends with `stop` validates against the schema
+    (required fields, an enum, bounded integers); a choice job yields only its labels, with the
+    logprob of each label's first token from the distribution over the labels."""
+    import json
+
+    import jsonschema
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    people = [("Maria", 34, "green"), ("Tom", 51, "red"), ("Aiko", 27, "blue"), ("Lars", 68, "green"),
+              ("Fatima", 45, "blue"), ("Diego", 19, "red"), ("Chen", 38, "blue"), ("Olga", 73, "red"),
+              ("Sam", 22, "green"), ("Priya", 30, "red"), ("Jonas", 56, "blue"), ("Zara", 41, "green")]
+    prompts = [f"Extract the person's name, age and favourite colour as JSON: '{n} is {a} years old and loves "
+               f"{c}.'" for n, a, c in people]
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age", "colour"],
+              "properties": {"name": {"type": "string", "maxLength": 30},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 130},
+                             "colour": {"type": "string", "enum": ["red", "green", "blue"]}}}
+    inp = tmp_path / "people.parquet"
+    pq.write_table(pa.table({"id": [f"p{i}" for i in range(len(prompts))], "prompt": prompts}), inp)
+    job = tmp_path / "extract.yaml"
+    job.write_text(json.dumps({"model": "default", "input": {"path": str(inp), "id_column": "id"},
+                               "output": {"path": str(tmp_path / "out")},
+                               "sampling": {"max_tokens": 64, "temperature": 0.0,
+                                            "response_format": {"type": "json_schema", "schema": schema}},
+                               "engine": {"kv_cache_gib": 0.5}}))
+    r = CliRunner().invoke(app, ["run", str(job)])
+    assert r.exit_code == 0, r.output
+    df = read_output(tmp_path / "out")
+    stopped = df.filter(df["finish_reason"] == "stop")
+    assert stopped.height >= len(prompts) - 1
+    for text in stopped["text"]:
+        jsonschema.validate(json.loads(text), schema)
+
+    labels = ["positive", "negative"]
+    reviews = ["I loved this film, wonderful!", "Terrible service, never again.", "Great value and kind staff.",
+               "The food was cold and bland."]
+    inp2 = tmp_path / "reviews.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(4)],
+                             "prompt": [f"Is this review positive or negative? {t}" for t in reviews]}), inp2)
+    job2 = tmp_path / "choice.yaml"
+    job2.write_text(json.dumps({"model": "default", "input": {"path": str(inp2), "id_column": "id"},
+                                "output": {"path": str(tmp_path / "out2")},
+                                "sampling": {"max_tokens": 8, "temperature": 0.0, "logprobs": 20,
+                                             "response_format": {"type": "choice", "choices": labels}},
+                                "engine": {"kv_cache_gib": 0.5}}))
+    assert CliRunner().invoke(app, ["run", str(job2)]).exit_code == 0
+    df2 = read_output(tmp_path / "out2")
+    assert set(df2["text"]) <= set(labels) and set(df2["finish_reason"]) == {"stop"}
+    for lp in df2["logprobs"]:
+        first = lp[0]
+        allowed = [t for t in first["top"] if t["logprob"] > float("-inf")]
+        assert all(any(lab.startswith(t["token"]) for lab in labels) for t in allowed)
+        assert abs(sum(torch.tensor([t["logprob"] for t in allowed]).exp().tolist()) - 1) < 1e-3
+        assert first["logprob"] == max(t["logprob"] for t in allowed)

@@ -23,6 +23,9 @@ class ScheduledSeq:
     # Sibling samples (n > 1) that fork from this sequence once its prompt is in: each draws its
     # own first token from this sequence's last logits. (request id, sampling) per sibling.
     forks: list[tuple[str, SamplingParams]] = field(default_factory=list)
+    # Prompt logprobs: the prompt tokens at positions start_pos + 1, start_pos + 2, ... that this
+    # chunk's rows predict (each row's next prompt token), scored under the raw distribution.
+    score_targets: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -53,9 +56,14 @@ class SampledToken:
     # log-probability of token_id, and the top-k {token: logprob}, when asked for.
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None
+    # The request's constraint is complete with this token (it stops with "stop"), or refused it.
+    terminated: bool = False
+    rejected: bool = False
 
 
 @dataclass
 class RunnerOutput:
     # request_id -> the token sampled at its last scheduled position (sampled seqs only).
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # request_id -> prompt logprobs computed this step, in prompt order: (token logprob, top-k).
+    prompt_logprobs: dict[str, list[tuple[float, dict[int, float]]]] = field(default_factory=dict)

@@ -69,13 +69,20 @@ class Scheduler:
             self.requests[r.request_id] = r
         reason = self._never_fits(req)
         if reason:
-            for r in [req] + req.forks:
-                self._finish(r, "error", error=reason)
-                self._rejected.append(r)
-            req.forks = []
+            self.reject(req, reason)
             return
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
+
+    def reject(self, req: Request, reason: str) -> None:
+        """End a request just added (and its forks) as an error, reported at the next step."""
+        for r in [req] + req.forks:
+            if r.request_id in self.requests and not r.is_finished:
+                if r in self.waiting:
+                    self.waiting.remove(r)
+                self._finish(r, "error", error=reason)
+                self._rejected.append(r)
+        req.forks = []
 
     def _never_fits(self, req: Request) -> str | None:
         if req.num_prompt_tokens == 0:
@@ -136,6 +143,8 @@ class Scheduler:
             if self.kv.is_swapped(req):
                 # Its KV comes back from the CPU tier: nothing to recompute.
                 hit, num_cached = None, req.num_computed_tokens
+            elif req.sampling.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens - 1:
+                hit, num_cached = None, 0  # every prompt position is scored: nothing may come from the cache
             else:
                 hit, num_cached = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_cached, budget)
@@ -177,6 +186,10 @@ class Scheduler:
     def _scheduled_seq(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
         sample = start + n == req.num_tokens
+        targets = []
+        if req.sampling.prompt_logprobs is not None:
+            end = min(start + n, req.num_prompt_tokens - 1)
+            targets = req.prompt_token_ids[start + 1 : end + 1]
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.token_ids_slice(start, start + n),
@@ -186,6 +199,7 @@ class Scheduler:
             sampling=req.sampling,
             output_index=req.num_output_tokens,
             forks=[(f.request_id, f.sampling) for f in req.forks] if sample and req.num_output_tokens == 0 else [],
+            score_targets=list(targets),
         )
 
     def _account(self, out: SchedulerOutput) -> None:
@@ -212,6 +226,9 @@ class Scheduler:
             req.num_computed_tokens += len(seq.token_ids)
             self.kv.cache_blocks(req)
             self.kv.free_out_of_window(req)
+            for i, v in enumerate(result.prompt_logprobs.get(seq.request_id, ())):
+                if seq.start_pos + i == len(req.prompt_logprobs):  # a recompute scores again; keep the first
+                    req.prompt_logprobs.append(v)
             tok = result.sampled.get(seq.request_id)
             if tok is None:
                 continue
@@ -229,7 +246,10 @@ class Scheduler:
         self.stats.generated_tokens += 1
         if tok.logprob is not None:
             req.logprobs.append((tok.logprob, tok.top_logprobs or {}))
-        reason = self._stop_reason(req, tok.token_id)
+        if tok.rejected:
+            self._finish(req, "error", error=f"the response_format constraint refused token {tok.token_id}")
+            return
+        reason = "stop" if tok.terminated else self._stop_reason(req, tok.token_id)
         if reason:
             self._finish(req, reason)
 
@@ -246,6 +266,7 @@ class Scheduler:
                 continue
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_prompt_tokens
+            child.prompt_logprobs = list(parent.prompt_logprobs)
             child.status = RequestStatus.RUNNING
             self.running.append(child)
             self._append_token(child, tok, now)

@@ -106,9 +106,30 @@ def parse_body(body: dict, where: str) -> tuple[list | None, dict]:
         raise ValueError(f"{where}: body.top_logprobs needs body.logprobs: true")
     if lp:
         out["logprobs"] = top or 0
-    if body.get("response_format") is not None:
-        out["response_format"] = body["response_format"]
+    fmt = body.get("response_format")
+    if fmt is not None:
+        fmt = openai_response_format(fmt, where)
+        if fmt is not None:
+            out["response_format"] = fmt
     return msgs, out
+
+
+def openai_response_format(fmt, where: str) -> dict | None:
+    """OpenAI's response_format as ours: {type: text} is none, {type: json_object} stays, and
+    {type: json_schema, json_schema: {name, schema, strict}} becomes {type: json_schema, schema}."""
+    if not isinstance(fmt, dict) or "type" not in fmt:
+        raise ValueError(f"{where}: body.response_format must be an object with a type")
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError(f"{where}: body.response_format.json_schema.schema must be a JSON schema object")
+        return {"type": "json_schema", "schema": spec["schema"]}
+    raise ValueError(f"{where}: body.response_format.type {kind!r} is not one of text, json_object, json_schema")
 
 
 class OpenAIBatchSource:

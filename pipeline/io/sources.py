@@ -80,6 +80,11 @@ def check_schema(schema: pa.Schema, spec: InputSpec, where: str) -> None:
             raise InputError(f"input.passthrough_columns: {col!r} clashes with an output column; rename it")
     for fld, col in spec.sampling_columns.items():
         t = need(col, f"sampling override ({fld})")
+        if fld == "response_format":
+            if not (_is_string(t) or ((pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_string(t.value_type))):
+                raise InputError(f"{where}: column {col!r} (per-row response_format) has type {t}, expected a "
+                                 "string (a JSON object) or a list of strings (choices)")
+            continue
         numeric = pa.types.is_integer(t) if fld in _INT_FIELDS else (pa.types.is_integer(t) or pa.types.is_floating(t))
         if not numeric:
             raise InputError(f"{where}: column {col!r} (per-row {fld}) has type {t}, expected "

@@ -80,16 +80,20 @@ class LedgerEntry:
     parts: list[str]
     # part file name -> {"bytes": size, "sha256": hex digest}
     files: dict
-    ids: list
-    # Position of each id in the job's input index (input order), and rows per input shard.
-    pos: list
+    # The ids done and each one's position in the job's input index (input order); None when
+    # loaded light (only `rows` kept: status and checks of a 10M-row job need no ids in memory).
+    ids: list | None
+    pos: list | None
+    # Rows per input shard.
     shards: dict
+    rows: int = 0
 
     @classmethod
-    def load(cls, path: Path) -> "LedgerEntry":
+    def load(cls, path: Path, light: bool = False) -> "LedgerEntry":
         d = json.loads(path.read_text())
-        return cls(path.name, list(d["parts"]), dict(d.get("files", {})), list(d["ids"]), list(d.get("pos", [])),
-                   dict(d.get("shards", {})))
+        ids, pos = list(d["ids"]), list(d.get("pos", []))
+        return cls(path.name, list(d["parts"]), dict(d.get("files", {})), None if light else ids,
+                   None if light else pos, dict(d.get("shards", {})), len(ids))
 
     def dump(self) -> dict:
         return {"parts": self.parts, "files": self.files, "ids": self.ids, "pos": self.pos, "shards": self.shards}
@@ -171,22 +175,22 @@ class OutputStore:
             return []
         return sorted(self.ledger.glob("part-*.json")) + sorted(self.ledger.glob("final-*.json"))
 
-    def _load_entries(self) -> tuple[dict[str, LedgerEntry], list[str]]:
+    def _load_entries(self, light: bool = False) -> tuple[dict[str, LedgerEntry], list[str]]:
         """The readable entries by file name, and one line per unreadable one. An entry that
         vanished while being read (a running compaction replaced it) is skipped."""
         out, problems = {}, []
         for p in self._entry_paths():
             try:
-                out[p.name] = LedgerEntry.load(p)
+                out[p.name] = LedgerEntry.load(p, light)
             except FileNotFoundError:
                 continue
             except (OSError, ValueError, KeyError, TypeError) as e:
                 problems.append(f"{p}: unreadable ledger entry ({type(e).__name__}: {e}): its rows count as not done")
         return out, problems
 
-    def entries(self, strict: bool = False) -> dict[str, LedgerEntry]:
+    def entries(self, strict: bool = False, light: bool = False) -> dict[str, LedgerEntry]:
         """The ledger's readable entries; with strict, an unreadable one is a ConfigError."""
-        out, problems = self._load_entries()
+        out, problems = self._load_entries(light)
         if strict and problems:
             raise ConfigError(problems[0])
         return out
@@ -202,9 +206,9 @@ class OutputStore:
                               "so nothing will be resumed: rerun with --restart to discard this output, or restore "
                               "the file") from None
 
-    def open(self, fingerprint: dict, restart: bool) -> list:
+    def open(self, fingerprint: dict, restart: bool, id_type: pa.DataType = pa.large_string()) -> pa.Array:
         """Check the fingerprint, tidy up after a crash, verify the parts' sizes and return the ids
-        already done."""
+        already done (as id_type)."""
         try:
             if restart:
                 self._discard()
@@ -229,7 +233,7 @@ class OutputStore:
             log.warning("%s", line)
         nums = [int(n.split("-")[1].split(".")[0]) for n in entries if n.startswith("part-")]
         self._next_part = max(nums, default=0) + 1
-        return [i for e in entries.values() for i in e.ids]
+        return self.ids_array(entries, id_type)
 
     def _discard(self) -> None:
         """--restart: the ledger is moved aside in one rename first, so a kill at any later point
@@ -259,18 +263,27 @@ class OutputStore:
                 return f"{p}: its SHA-256 differs from the one {self.ledger / e.name} recorded (damaged)"
         return None
 
-    def audit(self, checksum: bool = False) -> tuple[dict[str, LedgerEntry], list[str]]:
+    def audit(self, checksum: bool = False, light: bool = True) -> tuple[dict[str, LedgerEntry], list[str]]:
         """The entries whose parts are whole, and one line per problem: an unreadable entry, a
         missing or damaged part (sizes always, SHA-256 with checksum). Changes nothing."""
-        entries, problems = self._load_entries()
+        entries, problems = self._load_entries(light)
         good = {}
         for name, e in entries.items():
             problem = self._check_entry(e, checksum)
             if problem:
-                problems.append(f"{problem}: its {len(e.ids)} rows count as not done")
+                problems.append(f"{problem}: its {e.rows} rows count as not done")
             else:
                 good[name] = e
         return good, problems
+
+    def read_entry(self, name: str) -> LedgerEntry:
+        """One entry with its ids and positions."""
+        return LedgerEntry.load(self.ledger / name)
+
+    def ids_array(self, entries, id_type: pa.DataType) -> pa.Array:
+        """The ids of the given entries as one Arrow array, read an entry at a time."""
+        arrays = [pa.array(self.read_entry(name).ids, type=id_type) for name in entries]
+        return pa.concat_arrays(arrays) if arrays else pa.array([], type=id_type)
 
     def entries_on_disk(self) -> list[str]:
         return [p.name for p in self._entry_paths()]

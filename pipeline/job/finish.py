@@ -44,13 +44,14 @@ def entries_schema(store: OutputStore, entries: dict) -> list[str]:
 def compact_input_order(store: OutputStore, spec: JobSpec, index: InputIndex) -> None:
     """Rewrite the parts in input order as final-*.parquet, by an external merge sort on each
     row's input position (kept in the ledger), crash-safe through OutputStore.write_finals."""
-    entries = store.entries(strict=True)
+    entries = store.entries(strict=True, light=True)
     if not entries or all(name.startswith("final-") for name in entries):
         return
     keys = ["_pos"] + (["sample_index"] if "sample_index" in entries_schema(store, entries) else [])
 
     def sources():
-        for e in entries.values():
+        for name in entries:
+            e = store.read_entry(name)
             pos_of = dict(zip(e.ids, e.pos))
             for name in e.parts:
                 t = pq.read_table(store.parts / name)

@@ -23,6 +23,23 @@ def _examples(values: pa.Array, mask) -> list:
     return values.filter(mask).slice(0, 3).to_pylist()
 
 
+def _check_exactly_once(spec: JobSpec, want: pa.Array, done: pa.Array) -> None:
+    """Every input id committed exactly once, by comparing the two sorted id arrays (memory: a
+    few copies of the ids, never a Python object per row); the examples only on a mismatch."""
+    if len(want) == len(done) and pc.take(want, pc.sort_indices(want)).equals(pc.take(done, pc.sort_indices(done))):
+        return
+    import polars as pl
+
+    missing = pc.invert(pc.is_in(want, value_set=done))
+    extra = pc.invert(pc.is_in(done, value_set=want))
+    dup_mask = pl.Series(done).is_duplicated().to_arrow()
+    n_missing, n_extra, n_dup = (int(pc.sum(m).as_py() or 0) for m in (missing, extra, dup_mask))
+    raise BatchgenError(f"{spec.output.path}: cannot merge: {n_missing} ids missing (e.g. "
+                        f"{_examples(want, missing)}), {n_dup} ids committed more than once (e.g. "
+                        f"{sorted(set(_examples(done, dup_mask)))}), {n_extra} ids not in the input (e.g. "
+                        f"{_examples(done, extra)}); run the remaining tasks (or the job) first")
+
+
 def merge_job(spec: JobSpec) -> dict:
     out_root = Path(spec.output.path)
     job = prepare_job(spec, model=False)
@@ -59,19 +76,13 @@ def _merge(spec: JobSpec, index, stores: list[OutputStore], out_root: Path) -> d
     if problems:
         raise BatchgenError(f"cannot merge: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1
                                                               else "") + "; rerun the job to generate those rows again")
-    done_parts = [pa.array(e.ids, type=index.ids.type) for _, e in entries if e.ids]
-    done = pa.concat_arrays(done_parts) if done_parts else pa.array([], type=index.ids.type)
-    missing = pc.invert(pc.is_in(index.ids, value_set=done))
-    extra = pc.invert(pc.is_in(done, value_set=index.ids))
-    import polars as pl
-
-    dup_mask = pl.Series(done).is_duplicated().to_arrow()
-    n_missing, n_extra, n_dup = (int(pc.sum(m).as_py() or 0) for m in (missing, extra, dup_mask))
-    if n_missing or n_extra or n_dup:
-        raise BatchgenError(f"{spec.output.path}: cannot merge: {n_missing} ids missing (e.g. "
-                            f"{_examples(index.ids, missing)}), {n_dup} ids committed more than once (e.g. "
-                            f"{sorted(set(_examples(done, dup_mask)))}), {n_extra} ids not in the input (e.g. "
-                            f"{_examples(done, extra)}); run the remaining tasks (or the job) first")
+    by_store: dict = {}
+    for st, e in entries:
+        by_store.setdefault(st, []).append(e.name)
+    done = pa.concat_arrays([st.ids_array(names, index.ids.type) for st, names in by_store.items()] or
+                            [pa.array([], type=index.ids.type)])
+    _check_exactly_once(spec, index.ids, done)
+    del done
     first = next((s.parts / p for s, e in entries for p in e.parts), None)
     keys = ["id"] + (["sample_index"] if first is not None and "sample_index" in pq.read_schema(first).names else [])
 

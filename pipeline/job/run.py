@@ -34,11 +34,11 @@ def run_job(spec: JobSpec, restart: bool = False, limit: int | None = None, shar
         return _run_job(spec, restart, limit, shard, progress, allow_empty, stop)
 
 
-def todo_positions(job: PreparedJob, done: list, limit: int | None) -> np.ndarray:
+def todo_positions(job: PreparedJob, done: pa.Array, limit: int | None) -> np.ndarray:
     """Index positions of the rows not yet done (an anti-join of the ids against the ledger's)."""
     index = job.index
-    if done:
-        mask = pc.is_in(index.ids, value_set=pa.array(done, type=index.ids.type))
+    if len(done):
+        mask = pc.is_in(index.ids, value_set=done)
         keep = np.flatnonzero(~mask.to_numpy(zero_copy_only=False))
     else:
         keep = np.arange(len(index), dtype=np.int64)
@@ -57,7 +57,7 @@ def _run_job(spec: JobSpec, restart: bool, limit: int | None, shard: tuple[int, 
     try:
         store.acquire_lock()
         fp = fingerprint(spec, job.index, job.model.identity, job.max_len, shard)
-        done = store.open(fp, restart)
+        done = store.open(fp, restart, job.index.ids.type)
         stop.check_before_generation()
         keep = todo_positions(job, done, limit)
         if len(keep) == 0:
@@ -101,7 +101,7 @@ def load_engine(job: PreparedJob):
 
     t = time.monotonic()
     engine = Engine(load_hf_model(job.model), job.tokenizer, job.spec.engine, job.spec.model,
-                    model_identity=job.model.identity)
+                    model_identity=job.model.identity, grammars=job.grammars)
     log.info("model loaded in %.1fs", time.monotonic() - t)
     return engine
 
@@ -132,7 +132,8 @@ def generate_rows(engine, windows, sink: ResultSink, stop: StopFlag | None = Non
         row = inflight[res.request_id]
         sink.add(row, res.sample_index, res.text, res.finish_reason, res.error, res.prompt_tokens,
                  res.completion_tokens, res.ttft_s, res.itl_s, res.cached_tokens,
-                 token_text.records(res.token_ids, res.logprobs))
+                 token_text.records(res.token_ids, res.logprobs),
+                 token_text.records(list(row.token_ids[1:]), res.prompt_logprobs))
         if row.pos not in sink.partial:
             del inflight[res.request_id]
 

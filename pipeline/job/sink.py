@@ -26,6 +26,8 @@ def output_schema(spec: JobSpec, id_type: pa.DataType, passthrough_types: dict[s
         fields.append(pa.field("prompt_truncated", pa.bool_(), nullable=False))
     if wants_logprobs(spec):
         fields.append(pa.field("logprobs", LOGPROBS_TYPE))
+    if spec.sampling.prompt_logprobs is not None:
+        fields.append(pa.field("prompt_logprobs", LOGPROBS_TYPE))
     return pa.schema(fields)
 
 
@@ -92,11 +94,11 @@ class ResultSink:
 
     def add(self, row: PreparedRow | RowError, sample_index: int, text: str | None, finish_reason: str,
             error: str | None, prompt_tokens: int, completion_tokens: int, ttft: float | None, itl: float | None,
-            cached_tokens: int = 0, logprobs: list | None = None) -> None:
+            cached_tokens: int = 0, logprobs: list | None = None, prompt_logprobs: list | None = None) -> None:
         rec = {"id": row.id, "sample_index": sample_index, "text": text, "finish_reason": finish_reason,
                "error": error, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                "ttft_s": ttft, "itl_s": itl, "prompt_truncated": getattr(row, "truncated", False),
-               "logprobs": logprobs}
+               "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
         rec.update(zip(self.passthrough, row.passthrough))
         s = self.stats
         if error is None:

@@ -49,4 +49,4 @@ def job_status(spec: JobSpec, verify: bool = False) -> dict:
 
 def count_done(output_path: str) -> int:
     """Rows committed under output.path, over every task (ledgers only)."""
-    return sum(len(e.ids) for r in all_roots(output_path) for e in OutputStore(r).entries().values())
+    return sum(e.rows for r in all_roots(output_path) for e in OutputStore(r).entries(light=True).values())

@@ -213,3 +213,25 @@ def load_hf_model(source: ModelSource):
 
     load_config(source)
     return AutoModelForCausalLM.from_pretrained(str(source.folder), dtype="float32")
+
+
+def eos_token_ids(source: ModelSource, config, tokenizer) -> tuple[int, ...]:
+    """The token ids that end a generation: the model config's, its generation config's and the
+    tokenizer's EOS (the engine stops on any of them)."""
+    ids: set[int] = set()
+    sources = [config]
+    gen = source.folder / "generation_config.json"
+    if gen.is_file():
+        try:
+            sources.append(json.loads(gen.read_text()))
+        except (OSError, ValueError):
+            pass
+    for src in sources:
+        e = src.get("eos_token_id") if isinstance(src, dict) else getattr(src, "eos_token_id", None)
+        if isinstance(e, int):
+            ids.add(e)
+        elif e:
+            ids.update(e)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))

@@ -109,12 +109,11 @@ class CausalLM:
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sample_idx: torch.Tensor,
                 logits: bool = True) -> torch.Tensor:
         """input_ids/positions [num_tokens] -> logits [num_sampled, vocab] (fp32; the model dtype
-        on the fused path, where the sampler converts them). With logits=False (fused path only)
-        it stops at the final norm's output [num_sampled, hidden]: `logits()` of row chunks."""
+        on the fused path, where the sampler converts them). With logits=False it stops at the
+        final norm's output [num_sampled, hidden]: `logits()` of row chunks."""
         if self.fused:
             h = self._forward_fused(input_ids, positions, meta, kv_caches, sample_idx)
             return self.logits(h) if logits else h
-        assert logits, "row-chunked logits are for the fused path"
         s = self.shape
         n = input_ids.shape[0]
         q_size = s.num_heads * s.head_dim
@@ -130,7 +129,7 @@ class CausalLM:
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
         h = rms_norm(h[sample_idx], self.norm, s.rms_eps)
-        return self.lm_head(h).float()
+        return self.lm_head(h).float() if logits else h
 
     def _qkv_heads(self, layer: Layer, qkv: torch.Tensor, rotate):
         """q, k, v heads ([n, heads, head_dim] views where possible) from the fused QKV output,
@@ -172,8 +171,9 @@ class CausalLM:
         return ops.add_rms_norm(h, None, self.norm, s.rms_eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final-norm outputs [rows, hidden] -> logits [rows, vocab] (fused path)."""
-        return self.lm_head(h)
+        """Final-norm outputs [rows, hidden] -> logits [rows, vocab] (fp32, or the model dtype on
+        the fused path, where the sampler converts them)."""
+        return self.lm_head(h) if self.fused else self.lm_head(h).float()
 
     @property
     def verified_greedy(self) -> bool:
@@ -182,12 +182,13 @@ class CausalLM:
         return (self.fused and self.dtype == torch.float32 and self.lm_head.path == "onednn"
                 and _native_bf16())
 
-    def greedy_tokens(self, h: torch.Tensor) -> torch.Tensor:
+    def greedy_tokens(self, h: torch.Tensor, mask=None) -> torch.Tensor:
         """argmax of the fp32 logits of final-norm outputs h [rows, hidden], at about the bf16
         lm_head's cost: bf16 logits first (oneDNN's bf16 GEMM rate is a multiple of fp32's on such
         CPUs: `batchgen bench` prints both), then an
         fp32 dot product for each token that their error bound leaves in reach of the largest
-        (batchgen.kernels.cpu_attention.argmax_verified). The token is the fp32 argmax's."""
+        (batchgen.kernels.cpu_attention.argmax_verified). The token is the fp32 argmax's. mask(logits)
+        sets the tokens a constraint disallows to -inf in the bf16 logits first."""
         from batchgen.kernels import cpu_attention as ops
 
         if self._lm_head_bf16 is None:
@@ -195,4 +196,7 @@ class CausalLM:
             self._lm_head_bf16 = (Linear(w.to(torch.bfloat16), None, "onednn"), w,
                                   (w.double().norm(dim=1) * (1 + 1e-6)).to(torch.float32))
         lin, w, wnorm = self._lm_head_bf16
-        return ops.argmax_verified(lin(h.to(torch.bfloat16)), h, w, wnorm)
+        approx = lin(h.to(torch.bfloat16))
+        if mask is not None:
+            mask(approx)  # a disallowed token (-inf) is never within reach of the best
+        return ops.argmax_verified(approx, h, w, wnorm)

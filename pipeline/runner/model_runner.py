@@ -125,8 +125,10 @@ class KVCache:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, sampler: Sampler | None = None,
-                 decode_mode: str = "batched", backend: str = "torch", window: int | None = None, graphs=None) -> None:
-        """graphs: a DecodeGraphs (CUDA with the Triton backend) that decode-only steps replay."""
+                 decode_mode: str = "batched", backend: str = "torch", window: int | None = None, graphs=None,
+                 constraints=None) -> None:
+        """graphs: a DecodeGraphs (CUDA with the Triton backend) that decode-only steps replay;
+        constraints: a guided.Constraints (structured output), made when a request needs one."""
         self.window = window
         self.model = model
         self.kv = kv_cache
@@ -135,6 +137,7 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         self.device = model.device
         self.graphs = graphs
+        self.constraints = constraints
 
     @property
     def graph_replays(self) -> int:
@@ -148,41 +151,83 @@ class ModelRunner:
         self.kv.copy(list(copy_within), "within")
         if not seqs:
             return RunnerOutput()
-        # Decodes first: groups sharing a cached prefix (cascade), then the rest by context
-        # length, so attention runs them in contiguous buckets; prefill chunks after them.
         if self.graphs is not None and all(len(s.token_ids) == 1 and s.sample for s in seqs):
+            pending = self.constraints.fill_async(seqs) if self.constraints else None
             logits = self._graph_decode(seqs)
             if logits is not None:
-                tokens = self.sampler(logits, seqs)
-                return RunnerOutput({s.request_id: t for s, t in zip(seqs, tokens)})
+                mask = (lambda lg: self.constraints.apply(pending, lg)) if pending else None
+                return RunnerOutput(self._accepted(seqs, self.sampler(logits, seqs, mask)))
+        # Decodes first: groups sharing a cached prefix (cascade), then the rest by context
+        # length, so attention runs them in contiguous buckets; prefill chunks after them.
         decodes = sorted((s for s in seqs if len(s.token_ids) == 1), key=lambda s: s.start_pos)
         groups, rest = self._cascade_groups(decodes)
         ordered = [s for g, _ in groups for s in g] + rest + [s for s in seqs if len(s.token_ids) > 1]
-        input_ids, positions, slots, meta, sample_rows = self._prepare(ordered, groups)
-        sampled_seqs = sample_rows[1]
-        if not sampled_seqs:
-            self.model.forward(input_ids, positions, meta, self.kv.layers, self._dev(torch.empty(0, dtype=torch.long)))
-            return RunnerOutput()
+        input_ids, positions, slots, meta, (sample_idx, sampled_seqs, scored) = self._prepare(ordered, groups)
+        # The constraints' masks fill on a worker thread while the forward runs.
+        pending = self.constraints.fill_async(sampled_seqs) if self.constraints and sampled_seqs else None
+        h = self.model.forward(input_ids, positions, meta, self.kv.layers, sample_idx, logits=False)
+        out = RunnerOutput()
         n = len(sampled_seqs)
-        # Greedy rows without logprobs of an fp32 model: tokens from bf16 logits, verified in fp32.
-        verified = self.model.verified_greedy and all(s.sampling.greedy and s.sampling.logprobs is None
-                                                      for s in sampled_seqs)
-        itemsize = 2 if verified else self.model.dtype.itemsize
-        rows = max(1, LOGITS_CHUNK_BYTES // (self.model.shape.vocab_size * itemsize))
-        if self.model.fused and (verified or n > rows):
-            # The lm_head and sampler by row chunks of at most LOGITS_CHUNK_BYTES of logits.
-            h = self.model.forward(input_ids, positions, meta, self.kv.layers, sample_rows[0], logits=False)
-            size = cdiv(n, cdiv(n, rows))  # equal chunks of at most `rows`
-            tokens = []
-            for a in range(0, n, size):
-                if verified:
-                    tokens += [SampledToken(t) for t in self.model.greedy_tokens(h[a : a + size]).tolist()]
-                else:
-                    tokens += self.sampler(self.model.logits(h[a : a + size]), sampled_seqs[a : a + size])
-        else:
-            logits = self.model.forward(input_ids, positions, meta, self.kv.layers, sample_rows[0])
-            tokens = self.sampler(logits, sampled_seqs)
-        return RunnerOutput({s.request_id: t for s, t in zip(sampled_seqs, tokens)})
+        if n:
+            out.sampled = self._accepted(sampled_seqs, self._sample(h[:n], sampled_seqs, pending))
+        if scored:
+            out.prompt_logprobs = self._score(h[n:], scored)
+        return out
+
+    def _chunk_rows(self, itemsize: int) -> int:
+        """Rows of logits computed at once: LOGITS_CHUNK_BYTES on the fused path, else all."""
+        if not self.model.fused:
+            return 1 << 30
+        return max(1, LOGITS_CHUNK_BYTES // (self.model.shape.vocab_size * itemsize))
+
+    def _sample(self, h: torch.Tensor, seqs: list[ScheduledSeq], pending) -> list[SampledToken]:
+        """Tokens for final-norm rows h [n, hidden]: the lm_head and sampler by row chunks."""
+        n = len(seqs)
+        # Greedy rows without logprobs of an fp32 model: tokens from bf16 logits (masked by any
+        # constraint), verified in fp32.
+        verified = self.model.verified_greedy and all(s.sampling.greedy and s.sampling.logprobs is None for s in seqs)
+        rows = self._chunk_rows(2 if verified else self.model.dtype.itemsize)
+        size = cdiv(n, cdiv(n, rows))  # equal chunks of at most `rows`
+        tokens: list[SampledToken] = []
+        for a in range(0, n, size):
+            mask = (lambda lg, a=a: self.constraints.apply(pending, lg, offset=a)) if pending else None
+            if verified:
+                tokens += [SampledToken(t) for t in self.model.greedy_tokens(h[a : a + size], mask).tolist()]
+            else:
+                tokens += self.sampler(self.model.logits(h[a : a + size]), seqs[a : a + size], mask)
+        return tokens
+
+    def _accepted(self, seqs: list[ScheduledSeq], tokens: list[SampledToken]) -> dict[str, SampledToken]:
+        """The sampled tokens by request, fed to their constraints' matchers."""
+        if self.constraints:
+            for s, t in zip(seqs, tokens):
+                if s.sampling.response_format is not None:
+                    ok, t.terminated = self.constraints.accept(s, t.token_id)
+                    t.rejected = not ok
+        return {s.request_id: t for s, t in zip(seqs, tokens)}
+
+    def _score(self, h: torch.Tensor, scored: list[tuple[ScheduledSeq, list[int]]]):
+        """Prompt logprobs: for each scored sequence, the logprob of each target (the next prompt
+        token) under the model's raw distribution at the row before it, with the top-k."""
+        targets = [t for _, ts in scored for t in ts]
+        rows = self._chunk_rows(4)
+        values: list[tuple[float, dict[int, float]]] = []
+        top_k = [s.sampling.prompt_logprobs for s, ts in scored for _ in ts]
+        for a in range(0, len(targets), rows):
+            logp = torch.log_softmax(self.model.logits(h[a : a + rows]).float().cpu(), dim=-1)
+            tgt = torch.tensor(targets[a : a + rows])
+            chosen = logp.gather(1, tgt[:, None])[:, 0].tolist()
+            k_max = max(top_k[a : a + rows])
+            vals, idx = logp.topk(k_max, dim=-1) if k_max else (None, None)
+            for i, lp in enumerate(chosen):
+                k = top_k[a + i]
+                top = dict(zip(idx[i, :k].tolist(), vals[i, :k].tolist())) if k else {}
+                values.append((lp, top))
+        out, start = {}, 0
+        for s, ts in scored:
+            out[s.request_id] = values[start : start + len(ts)]
+            start += len(ts)
+        return out
 
     def _prepare(self, seqs: list[ScheduledSeq], groups=()):
         bs = self.kv.block_size
@@ -190,7 +235,10 @@ class ModelRunner:
         pos: list[int] = []
         slots: list[int] = []
         sample_idx: list[int] = []
-        sample_seq: list[int] = []
+        sample_seq: list[ScheduledSeq] = []
+        # Prompt-logprob rows: (seq, target token ids), and their token indices (after the samples).
+        scored: list[tuple[ScheduledSeq, list[int]]] = []
+        score_idx: list[int] = []
         prefills: list[PrefillSeq] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
@@ -214,6 +262,9 @@ class ModelRunner:
                 for child_id, child_sampling in s.forks:
                     sample_idx.append(start_tok + n - 1)
                     sample_seq.append(replace(s, request_id=child_id, sampling=child_sampling, forks=[]))
+            if s.score_targets:
+                scored.append((s, s.score_targets))
+                score_idx.extend(range(start_tok, start_tok + len(s.score_targets)))
         meta = AttentionMetadata(
             num_decodes=len(decode_tables), decode_block_tables=None, decode_context_lens=None,
             prefills=prefills, slot_mapping=torch.tensor(slots, dtype=torch.long), decode_mode=self.decode_mode,
@@ -248,7 +299,7 @@ class ModelRunner:
             meta.prefill_cu_seqlens = torch.tensor([0] + [p.tok_end - first for p in prefills], dtype=torch.long)
             meta.prefill_start_pos = torch.tensor([p.start_pos for p in prefills], dtype=torch.long)
         return (self._dev(torch.tensor(ids, dtype=torch.long)), self._dev(torch.tensor(pos, dtype=torch.long)), slots,
-                meta, (self._dev(torch.tensor(sample_idx, dtype=torch.long)), sample_seq))
+                meta, (self._dev(torch.tensor(sample_idx + score_idx, dtype=torch.long)), sample_seq, scored))
 
     def _graph_decode(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
         """A decode-only step through the CUDA graphs, or None where it does not fit them."""

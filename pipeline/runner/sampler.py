@@ -24,17 +24,21 @@ class Sampler:
         # Greedy rows through the C++ argmax (with the CPU ops loaded).
         self.fused_argmax = fused_argmax
 
-    def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[SampledToken]:
+    def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSeq], mask=None) -> list[SampledToken]:
         """logits [num_seqs, vocab] (fp32, or bf16 on the fused path), one row per seq -> one
         token per seq; everything works in fp32 (bf16 -> fp32 is exact and keeps the order, and
         torch's argmax over bf16 is slower than converting first).
 
         Logprobs (rows with sampling.logprobs set) are those of the distribution the token was
         drawn from: the logits divided by the temperature, with tokens outside top-k / top-p /
-        min-p at -inf; for greedy rows, the logits as they are."""
+        min-p at -inf; for greedy rows, the logits as they are. mask(logits) applies the rows'
+        constraints (disallowed tokens at -inf) to fp32 logits in place, before all that."""
         params = [s.sampling for s in seqs]
         want_logprobs = any(p.logprobs is not None for p in params)
         greedy = all(p.greedy for p in params)
+        if mask is not None:
+            logits = logits.cpu()
+            mask(logits)  # in the logits' own dtype: -inf survives the conversion below
         if self.fused_argmax and not want_logprobs and greedy:
             from batchgen.kernels.cpu_attention import argmax_rows
 
