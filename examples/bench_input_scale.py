@@ -89,7 +89,7 @@ class StubEngine:
         return {"engine": "stub"}
 
 
-def child_run(job: str, engine: str) -> None:
+def child_run(job: str, engine: str, limit: int | None = None) -> None:
     """In a fresh process: run the job, print timings as JSON."""
     from batchgen.config import load_job
     from batchgen.io import store
@@ -115,7 +115,7 @@ def child_run(job: str, engine: str) -> None:
     run.generate_rows = generate_rows
     if engine == "stub":
         run.load_engine = lambda job: StubEngine(job.tokenizer)
-    summary = run.run_job(load_job(job), progress=False)
+    summary = run.run_job(load_job(job), progress=False, limit=limit)
     end = time.monotonic()
     print(json.dumps({"rows": summary.get("rows_done"), "wall_s": round(end - marks["start"], 2),
                       "to_first_request_s": round(marks.get("first_window", end) - marks["start"], 2),
@@ -142,9 +142,12 @@ def main() -> None:
     ap.add_argument("--tmp", default="/tmp/batchgen-scale")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--skip-merge", action="store_true")
+    ap.add_argument("--resume-check", action="store_true",
+                    help="run half the rows first, then time the resume's start-up on the other half")
+    ap.add_argument("--limit", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child_run(args.child, args.engine)
+        child_run(args.child, args.engine, args.limit)
         return
     tmp = Path(args.tmp)
     t = time.monotonic()
@@ -154,12 +157,20 @@ def main() -> None:
     subprocess.run(["rm", "-rf", str(out)], check=True)
     job = write_job(data, out, args.window, args.model)
     py = sys.executable
-    p = subprocess.run([py, __file__, "--child", str(job), "--engine", args.engine], capture_output=True, text=True)
-    if p.returncode:
-        raise SystemExit(p.stderr[-3000:])
-    res = json.loads(p.stdout.strip().splitlines()[-1])
+
+    def child(limit: int | None = None) -> dict:
+        cmd = [py, __file__, "--child", str(job), "--engine", args.engine] + (["--limit", str(limit)] if limit else [])
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode:
+            raise SystemExit(p.stderr[-3000:])
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    report = {"rows": args.rows, "engine": args.engine, "window_rows": args.window}
+    if args.resume_check:
+        report["first_half"] = child(args.rows // 2)
+    res = child()
     res["input_rows_per_s"] = round(res["rows"] / res["wall_s"])
-    report = {"rows": args.rows, "engine": args.engine, "window_rows": args.window, "run": res}
+    report["run" if not args.resume_check else "resume"] = res
     bg = str(Path(py).with_name("batchgen"))
     report["status"] = timed([bg, "status", str(job)])
     if not args.skip_merge:

@@ -18,7 +18,7 @@ from batchgen.bench import workload_requests
 from batchgen.config import EngineSpec
 from batchgen.engine.request import SamplingParams
 from batchgen.llm import Engine, GenerationRequest
-from batchgen.models.loader import load_hf_model, load_tokenizer, resolve_model
+from batchgen.models.loader import load_checkpoint, load_tokenizer, resolve_model
 from batchgen.shapes import cdiv
 from batchgen.workload import load_sharegpt_pairs, sample_sharegpt
 
@@ -36,7 +36,7 @@ def timed(engine: Engine, reqs: list[GenerationRequest]) -> dict:
             "tokens": {r.request_id: r.token_ids for r in res}, **{k: c[k] for k in keep}}
 
 
-def shared_prefix(hf, tok, ident, n: int, prefix_tokens: int, out_tokens: int) -> dict:
+def shared_prefix(model, tok, ident, n: int, prefix_tokens: int, out_tokens: int) -> dict:
     pairs = load_sharegpt_pairs()
     text, prefix = "", []
     for human, _ in pairs:
@@ -50,7 +50,7 @@ def shared_prefix(hf, tok, ident, n: int, prefix_tokens: int, out_tokens: int) -
     reqs = [GenerationRequest(str(i), prefix + q, sp) for i, q in enumerate(questions)]
     out = {}
     for caching in (True, False):
-        e = Engine(hf, tok, EngineSpec(prefix_caching=caching, max_num_seqs=64, kv_cache_gib=2.0),
+        e = Engine(model, tok, EngineSpec(prefix_caching=caching, max_num_seqs=64, kv_cache_gib=2.0),
                    model_identity=ident)
         out["on" if caching else "off"] = timed(e, reqs)
     same = out["on"].pop("tokens") == out["off"].pop("tokens")
@@ -58,31 +58,31 @@ def shared_prefix(hf, tok, ident, n: int, prefix_tokens: int, out_tokens: int) -
             "speedup": round(out["on"]["output_tok_s"] / out["off"]["output_tok_s"], 2)}
 
 
-def memory_pressure(hf, tok, ident, n: int, cap: int) -> dict:
+def memory_pressure(model, tok, ident, n: int, cap: int) -> dict:
     items = sample_sharegpt(tok, n, cap)
     reqs = workload_requests(items)
-    probe = Engine(hf, tok, EngineSpec(kv_cache_gib=0.01))
+    probe = Engine(model, tok, EngineSpec(kv_cache_gib=0.01))
     block_bytes = probe.kv_bytes_per_token * 16
     want = sum(cdiv(len(w.prompt_token_ids) + w.output_len, 16) for w in items)
     device_gib = 0.25 * want * block_bytes / 2**30
     base = dict(kv_cache_gib=device_gib, max_num_seqs=n, prefix_caching=False)
     out = {"requests": len(items), "blocks_wanted": want, "device_kv_gib": round(device_gib, 3)}
-    out["cpu_tier"] = timed(Engine(hf, tok, EngineSpec(cpu_offload_gib=4 * device_gib, preemption="swap", **base),
+    out["cpu_tier"] = timed(Engine(model, tok, EngineSpec(cpu_offload_gib=4 * device_gib, preemption="swap", **base),
                                    model_identity=ident), reqs)
-    out["recompute"] = timed(Engine(hf, tok, EngineSpec(preemption="recompute", **base), model_identity=ident), reqs)
+    out["recompute"] = timed(Engine(model, tok, EngineSpec(preemption="recompute", **base), model_identity=ident), reqs)
     out["identical_outputs"] = out["cpu_tier"].pop("tokens") == out["recompute"].pop("tokens")
     out["speedup"] = round(out["cpu_tier"]["output_tok_s"] / out["recompute"]["output_tok_s"], 2)
     return out
 
 
-def int8_capacity(hf, tok, ident, n: int, cap: int, gib: float) -> dict:
+def int8_capacity(model, tok, ident, n: int, cap: int, gib: float) -> dict:
     """(c) A memory-bound budget: the same KV GiB in the model dtype and in int8; int8 holds
     ~3.7x the tokens (fp32 model), so more sequences run at once."""
     items = sample_sharegpt(tok, n, cap)
     reqs = workload_requests(items)
     out = {"requests": len(items), "kv_cache_gib": gib}
     for kv in ("auto", "int8"):
-        e = Engine(hf, tok, EngineSpec(kv_cache_dtype=kv, kv_cache_gib=gib, max_num_seqs=n, prefix_caching=False),
+        e = Engine(model, tok, EngineSpec(kv_cache_dtype=kv, kv_cache_gib=gib, max_num_seqs=n, prefix_caching=False),
                    model_identity=ident)
         r = timed(e, reqs)
         r.pop("tokens")
@@ -105,16 +105,16 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     src = resolve_model("default")
-    hf, tok = load_hf_model(src), load_tokenizer(src)
+    model, tok = load_checkpoint(src), load_tokenizer(src)
     only = set(args.only.split(","))
     report = {}
     if "prefix" in only:
-        report["shared_prefix"] = shared_prefix(hf, tok, src.identity, args.num_requests, args.prefix_tokens,
+        report["shared_prefix"] = shared_prefix(model, tok, src.identity, args.num_requests, args.prefix_tokens,
                                                 args.output_tokens)
     if "pressure" in only:
-        report["memory_pressure"] = memory_pressure(hf, tok, src.identity, args.pressure_requests, args.pressure_cap)
+        report["memory_pressure"] = memory_pressure(model, tok, src.identity, args.pressure_requests, args.pressure_cap)
     if "int8" in only:
-        report["int8_capacity"] = int8_capacity(hf, tok, src.identity, args.int8_requests, args.pressure_cap,
+        report["int8_capacity"] = int8_capacity(model, tok, src.identity, args.int8_requests, args.pressure_cap,
                                                 args.int8_gib)
     print(json.dumps(report, indent=1))
     if args.json:

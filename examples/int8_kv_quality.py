@@ -23,13 +23,13 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="int8", choices=["int8", "fp8"])
     args = ap.parse_args()
     from batchgen.bench import kv_quality
-    from batchgen.models.loader import load_hf_model, load_tokenizer, resolve_model
+    from batchgen.models.loader import load_checkpoint, load_tokenizer, resolve_model
     from batchgen.workload import sample_sharegpt
 
     src = resolve_model("default")
-    hf, tok = load_hf_model(src), load_tokenizer(src)
+    model, tok = load_checkpoint(src), load_tokenizer(src)
     prompts = [w.prompt_token_ids for w in sample_sharegpt(tok, args.num_prompts, args.tokens)]
-    print(json.dumps(kv_quality(hf, tok, prompts, args.tokens, kv_dtype=args.kv_dtype), indent=1))
+    print(json.dumps(kv_quality(model, tok, prompts, args.tokens, kv_dtype=args.kv_dtype), indent=1))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .metrics import latency_summary, peak_rss_bytes
-from .workload import WorkloadItem, sample_sharegpt
+from .workload import WorkloadItem, cpu_info, sample_sharegpt, sample_workload
 
 log = logging.getLogger("batchgen")
 
@@ -56,12 +56,16 @@ def workload_requests(items: list[WorkloadItem], response_format: dict | None = 
             for i, w in enumerate(items)]
 
 
-def run_batchgen(hf_model, tokenizer, items: list[WorkloadItem], dtype: str, identity: str,
+def run_batchgen(model, tokenizer, items: list[WorkloadItem], dtype: str, identity: str,
                  response_format: dict | None = None, **engine_kw) -> BenchResult:
+    """model: a ModelSource (loaded here in `dtype`), a Checkpoint or a transformers model."""
     from .config import EngineSpec, ModelSpec
     from .llm import Engine
+    from .models.loader import ModelSource, load_checkpoint
 
-    engine = Engine(hf_model, tokenizer, EngineSpec(**engine_kw), ModelSpec(dtype=dtype), model_identity=identity,
+    if isinstance(model, ModelSource):
+        model = load_checkpoint(model, dtype)
+    engine = Engine(model, tokenizer, EngineSpec(**engine_kw), ModelSpec(dtype=dtype), model_identity=identity,
                     max_seq_tokens=max(len(w.prompt_token_ids) + w.output_len for w in items))
     reqs = workload_requests(items, response_format)
     t0 = time.perf_counter()
@@ -170,29 +174,31 @@ def gemm_ceiling(shape, items: list[WorkloadItem], batch: int = 256) -> dict:
     return out
 
 
-def constrained_pair(hf_model, tokenizer, items: list[WorkloadItem], dtype: str, identity: str,
+def constrained_pair(model, tokenizer, items: list[WorkloadItem], dtype: str, identity: str,
                      response_format: dict, engine_kw: dict) -> tuple[BenchResult, BenchResult]:
     """The workload constrained, then unconstrained with each request's output length set to what
     it generated constrained: the same tokens either way, so the ratio is the constraint's cost."""
     from dataclasses import replace
 
-    constrained = run_batchgen(hf_model, tokenizer, items, dtype, identity, response_format, **engine_kw)
+    constrained = run_batchgen(model, tokenizer, items, dtype, identity, response_format, **engine_kw)
     same = [replace(w, output_len=max(1, n)) for w, n in zip(items, constrained.extra["output_lengths"])]
-    return constrained, run_batchgen(hf_model, tokenizer, same, dtype, identity, None, **engine_kw)
+    return constrained, run_batchgen(model, tokenizer, same, dtype, identity, None, **engine_kw)
 
 
 def run_bench(num_prompts: int = 256, output_cap: int = 256, dtypes=("float32", "bfloat16"),
               peers=("hf-cb", "hf-generate"), peer_num_prompts: int | None = 64, model: str = "default",
-              engine_kw: dict | None = None, seed: int = 0, response_format: dict | None = None) -> dict:
-    from .models.loader import load_hf_model, load_tokenizer, resolve_model
+              engine_kw: dict | None = None, seed: int = 0, response_format: dict | None = None,
+              workload: str = "prompt-heavy") -> dict:
+    from .models.loader import load_config, load_hf_model, load_tokenizer, resolve_model
     from .shapes import ModelShape
 
     source = resolve_model(model)
     tokenizer = load_tokenizer(source)
-    items = sample_sharegpt(tokenizer, num_prompts, output_cap, seed=seed)
-    hf_model = load_hf_model(source)
-    shape = ModelShape.from_config(hf_model.config)
-    report: dict = {"workload": {"source": "ShareGPT_V3_unfiltered_cleaned_split.json", "num_prompts": len(items),
+    items = sample_workload(workload, tokenizer, num_prompts, output_cap, seed=seed)
+    shape = ModelShape.from_config(load_config(source))
+    report: dict = {"cpu": cpu_info(), "model": source.identity,
+                    "workload": {"source": "ShareGPT_V3_unfiltered_cleaned_split.json", "kind": workload,
+                                 "num_prompts": len(items),
                                  "output_cap": output_cap, "prompt_tokens": sum(len(w.prompt_token_ids) for w in items),
                                  "output_tokens": sum(w.output_len for w in items)},
                     "torch_threads": torch.get_num_threads(), "results": []}
@@ -202,7 +208,7 @@ def run_bench(num_prompts: int = 256, output_cap: int = 256, dtypes=("float32", 
     ours = []
     for dtype in dtypes:
         if response_format is not None:
-            c, u = constrained_pair(hf_model, tokenizer, items, dtype, source.identity, response_format,
+            c, u = constrained_pair(source, tokenizer, items, dtype, source.identity, response_format,
                                     engine_kw or {})
             for r in (c, u):
                 log.info("%s: %.1f output tok/s", r.name, r.output_tps)
@@ -212,12 +218,13 @@ def run_bench(num_prompts: int = 256, output_cap: int = 256, dtypes=("float32", 
                 "constrained_over_unconstrained": round(c.output_tps / u.output_tps, 3)}
             ours.append(u)
             continue
-        r = run_batchgen(hf_model, tokenizer, items, dtype, source.identity, **(engine_kw or {}))
+        r = run_batchgen(source, tokenizer, items, dtype, source.identity, **(engine_kw or {}))
         log.info("%s: %.1f output tok/s", r.name, r.output_tps)
         report["results"].append(r.row())
         ours.append(r)
     peer_items = items[:peer_num_prompts] if peer_num_prompts else items
     peer_results = []
+    hf_model = load_hf_model(source) if peers else None
     for peer in peers:
         try:
             if peer == "hf-cb":
@@ -246,7 +253,10 @@ def run_bench(num_prompts: int = 256, output_cap: int = 256, dtypes=("float32", 
 
 
 def format_report(report: dict) -> str:
-    lines = [f"workload: {json.dumps(report['workload'])}", "",
+    cpu = report.get("cpu", {})
+    lines = [f"cpu: {cpu.get('model')} ({', '.join(cpu.get('isa', []))}); GEMMs {cpu.get('gemms')}, attention "
+             f"{cpu.get('attention_ops')}", f"model: {report.get('model')}", f"workload: {json.dumps(report['workload'])}",
+             "",
              f"{'engine':58s} {'reqs':>5s} {'out tok/s':>10s} {'total tok/s':>12s} {'wall s':>8s}"]
     for r in report["results"]:
         if "error" in r:
@@ -289,17 +299,16 @@ def parse_sweep(text: str) -> tuple[str, list[int]]:
 def run_sweep(name: str, values: list[int], num_prompts: int, output_cap: int, dtype: str = "float32",
               model: str = "default", engine_kw: dict | None = None, plot_path: str | None = None) -> dict:
     """The same workload at each setting: the throughput-latency curve."""
-    from .models.loader import load_hf_model, load_tokenizer, resolve_model
+    from .models.loader import load_tokenizer, resolve_model
 
     source = resolve_model(model)
     tokenizer = load_tokenizer(source)
     items = sample_sharegpt(tokenizer, num_prompts, output_cap)
-    hf_model = load_hf_model(source)
     rows = []
     for v in values:
         kw = dict(engine_kw or {})
         kw[name] = v
-        r = run_batchgen(hf_model, tokenizer, items, dtype, source.identity, **kw).row()
+        r = run_batchgen(source, tokenizer, items, dtype, source.identity, **kw).row()
         r[name] = v
         log.info("%s=%d: %.1f output tok/s, ITL p50 %s s", name, v, r["output_tok_s"], r["itl_s"]["p50"])
         rows.append(r)

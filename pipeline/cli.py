@@ -210,6 +210,8 @@ def bench(num_prompts: int = typer.Option(256, "--num-prompts", min=1, help="Sha
           peer_num_prompts: int = typer.Option(64, "--peer-num-prompts", min=0,
                                                help="Requests the (slow) peers run; 0 for the whole workload"),
           model: str = typer.Option("default", "--model", help="Model: default, a local HF folder or a .gguf file"),
+          workload: str = typer.Option("prompt-heavy", "--workload", help="prompt-heavy (chat-templated prompts), "
+                                       "decode-heavy (vLLM's sampling: raw prompts) or prefill-only (max_tokens 1)"),
           max_num_seqs: int = typer.Option(256, "--max-num-seqs", min=1),
           max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", min=1),
           json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report as JSON here"),
@@ -224,7 +226,10 @@ def bench(num_prompts: int = typer.Option(256, "--num-prompts", min=1, help="Sha
     throughput-latency curve (a table and a PNG plot) instead."""
     _setup_logging()
     from .bench import format_report, format_sweep, parse_sweep, run_bench, run_sweep
+    from .workload import WORKLOADS
 
+    if workload not in WORKLOADS:
+        raise typer.BadParameter(f"{workload!r} is not one of {', '.join(WORKLOADS)}", param_hint="--workload")
     if sweep:
         try:
             name, values = parse_sweep(sweep)
@@ -249,7 +254,7 @@ def bench(num_prompts: int = typer.Option(256, "--num-prompts", min=1, help="Sha
         report = run_bench(num_prompts, output_cap, [d for d in dtypes.split(",") if d],
                            [p for p in peers.split(",") if p], peer_num_prompts or None, model,
                            {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens},
-                           response_format=fmt)
+                           response_format=fmt, workload=workload)
         typer.echo(format_report(report))
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -86,12 +86,17 @@ class Engine:
     """Continuous batching on a paged KV cache. Build it from a model spec or a loaded
     transformers model; feed it GenerationRequests; results stream out as they finish."""
 
-    def __init__(self, hf_model, tokenizer, engine: EngineSpec | None = None, model: ModelSpec | None = None, *,
-                 model_identity: str = "", max_seq_tokens: int | None = None, grammars=None) -> None:
-        """engine and model are the job spec's sections (validated pydantic models); max_seq_tokens
-        is the longest prompt + max_tokens the caller will send, which caps the default KV
-        budget; grammars: a guided.GrammarBook shared with whoever compiled the constraints
-        already (made on first need otherwise)."""
+    def __init__(self, checkpoint, tokenizer, engine: EngineSpec | None = None, model: ModelSpec | None = None, *,
+                 model_identity: str = "", max_seq_tokens: int | None = None, grammars=None, on_layer=None) -> None:
+        """checkpoint: a models.weights.Checkpoint (models.loader.load_checkpoint), or a
+        transformers model in memory. engine and model are the job spec's sections (validated
+        pydantic models); max_seq_tokens is the longest prompt + max_tokens the caller will send,
+        which caps the default KV budget; grammars: a guided.GrammarBook shared with whoever
+        compiled the constraints already (made on first need otherwise); on_layer(i) is called as
+        each layer's weights load."""
+        from .models.weights import Checkpoint
+
+        checkpoint = Checkpoint.of(checkpoint)
         self.config = spec = build.apply_profile(engine or EngineSpec())
         model = model or ModelSpec()
         self.tokenizer = tokenizer
@@ -101,10 +106,11 @@ class Engine:
         self.backend = backend = build.choose_backend(spec, self.device, self.kv_dtype)
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.model = CausalLM(hf_model, self.dtype, str(self.device), backend.linear_path, backend.fused_ops)
+        self.model = CausalLM(checkpoint, self.dtype, str(self.device), backend.linear_path, backend.fused_ops,
+                              on_layer)
         shape: ModelShape = self.model.shape
         self.max_model_len = min(spec.max_model_len or shape.max_position, shape.max_position)
-        self.window = sliding_window(hf_model.config)
+        self.window = sliding_window(checkpoint.config)
         self.kv_layout = kv = build.size_kv_cache(spec, shape, self.kv_dtype, self.device, self.max_model_len,
                                                   max_seq_tokens)
         self.kv_cache = KVCache(shape.num_layers, kv.num_blocks, spec.block_size, shape.num_kv_heads,
@@ -119,7 +125,7 @@ class Engine:
                                      self.window)
         self.runner = ModelRunner(self.model, self.kv_cache, Sampler(spec.seed, fused_argmax=backend.fused_ops),
                                   spec.decode_attention, backend.attention, self.window, graphs)
-        self.eos_token_ids = self._eos_ids(hf_model, tokenizer)
+        self.eos_token_ids = self._eos_ids(checkpoint.eos_token_ids, tokenizer)
         self.grammars = grammars
         log.info("engine: %s %s, linear=%s, attention=%s%s, KV cache %d blocks x %d tokens = %.2f GiB (%d B/token), "
                  "CPU tier %d blocks = %.2f GiB", self.device, build.dtype_name(self.dtype), backend.linear_path,
@@ -138,21 +144,17 @@ class Engine:
 
     @classmethod
     def from_model(cls, model: str | ModelSpec = "default", engine: EngineSpec | None = None) -> "Engine":
-        from .models.loader import load_hf_model, load_tokenizer, resolve_model
+        from .models.loader import load_checkpoint, load_tokenizer, resolve_model
 
         model = ModelSpec(path=model) if isinstance(model, str) else model
         source = resolve_model(model.path)
-        return cls(load_hf_model(source), load_tokenizer(source), engine, model, model_identity=source.identity)
+        dtype = build.dtype_name(build.resolve_dtype(model.dtype, build.resolve_device(model.device)))
+        return cls(load_checkpoint(source, dtype), load_tokenizer(source), engine, model,
+                   model_identity=source.identity)
 
     @staticmethod
-    def _eos_ids(hf_model, tokenizer) -> tuple[int, ...]:
-        ids = set()
-        for src in (getattr(hf_model, "generation_config", None), hf_model.config):
-            e = getattr(src, "eos_token_id", None) if src is not None else None
-            if isinstance(e, int):
-                ids.add(e)
-            elif e:
-                ids.update(e)
+    def _eos_ids(model_eos: tuple[int, ...], tokenizer) -> tuple[int, ...]:
+        ids = set(model_eos)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             ids.add(tokenizer.eos_token_id)
         return tuple(sorted(ids))

@@ -77,3 +77,44 @@ def sample_sharegpt(tokenizer, num_prompts: int, output_cap: int | None = 256, s
             continue
         out.append(WorkloadItem(prompt, ids, min(out_len, output_cap) if output_cap else out_len))
     return out
+
+
+WORKLOADS = ("prompt-heavy", "decode-heavy", "prefill-only")
+
+
+def sample_workload(name: str, tokenizer, num_prompts: int, output_cap: int | None = 256, seed: int = 0):
+    """The benchmark workloads, all ShareGPT sampled as vLLM's benchmark_throughput does:
+    prompt-heavy: chat-templated prompts, outputs as long as the replies (capped);
+    decode-heavy: vLLM's own sampling (raw prompts, replies up to the 2,048-token pair limit, capped);
+    prefill-only: the prompt-heavy prompts with one output token each."""
+    if name not in WORKLOADS:
+        raise ValueError(f"workload {name!r} is not one of {', '.join(WORKLOADS)}")
+    items = sample_sharegpt(tokenizer, num_prompts, output_cap, seed=seed, chat_template=name != "decode-heavy")
+    if name == "prefill-only":
+        for w in items:
+            w.output_len = 1
+    return items
+
+
+def cpu_info() -> dict:
+    """The CPU's model name and the ISA features batchgen's kernels use where present."""
+    import platform
+
+    flags, model = set(), platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("", platform.machine()):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    used = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+            if f in flags]
+    return {"model": model, "isa": used,
+            "gemms": "oneDNN (AMX tiles for bf16)" if "amx_bf16" in flags else "oneDNN (AVX-512)" if "avx512f" in flags
+            else "oneDNN",
+            "attention_ops": ("AVX-512 with bf16 dot products" if "avx512_bf16" in flags else
+                              "AVX-512" if "avx512f" in flags else "generic C++")}

@@ -5,7 +5,7 @@ from __future__ import annotations
 def tiny_hf_model(family: str = "llama", vocab_size: int = 512, seed: int = 0, **overrides):
     """A randomly initialised tiny decoder: Llama with GQA, or Qwen3 with q/k norm."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -18,6 +18,8 @@ def tiny_hf_model(family: str = "llama", vocab_size: int = 512, seed: int = 0, *
         cfg = Qwen3Config(head_dim=16, **common)
     elif family == "mistral":
         cfg = MistralConfig(**common)
+    elif family == "qwen2":
+        cfg = Qwen2Config(**common)
     else:
         raise ValueError(family)
     return AutoModelForCausalLM.from_config(cfg).eval()

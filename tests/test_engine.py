@@ -455,3 +455,28 @@ def test_logprobs_are_the_log_softmax_of_the_distribution_sampled_from(family_mo
             assert list(top) == idx.tolist() and torch.allclose(torch.tensor(list(top.values())), vals, atol=1e-5)
             checked += 1
     assert checked == 24
+
+
+def test_bf16_whole_prompts_through_sdpa_and_later_chunks_through_the_op(family_model, monkeypatch):
+    """On AMX CPUs bf16 whole prompts go to SDPA and later chunks of the same step to the C++ op;
+    forced on here (and off for the reference), the greedy tokens agree by vLLM's closeness rule
+    (each side's token in the other's top-5)."""
+    from batchgen.runner import attention
+
+    _, model = family_model
+    ps = prompts(seed=2, lengths=(40, 9, 70, 12, 33))
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
+    res = {}
+    for forced in (False, True):
+        calls = []
+        with monkeypatch.context() as m:
+            m.setattr(attention, "amx_available", lambda forced=forced: forced)
+            m.setattr(attention, "_sdpa_one", lambda *a, real=attention._sdpa_one, **k: calls.append(1) or real(*a, **k))
+            res[forced] = run(engine(model, dtype="bfloat16", max_num_batched_tokens=48), ps, sp)
+        assert bool(calls) == forced
+    for key, a in res[True].items():
+        b = res[False][key]
+        for (ta, (_, top_a)), (tb, (_, top_b)) in zip(zip(a.token_ids, a.logprobs), zip(b.token_ids, b.logprobs)):
+            if ta != tb:
+                assert ta in top_b and tb in top_a
+                break

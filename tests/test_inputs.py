@@ -76,19 +76,23 @@ def test_cache_root_honours_batchgen_cache_then_xdg(monkeypatch, tmp_path):
 
 
 def test_gguf_is_converted_once_into_the_cache(monkeypatch, tmp_path, smol_source):
-    """A fresh cache folder gets the dequantised safetensors; a second resolve reuses them."""
+    """A fresh cache folder gets the config and tokenizer (from the GGUF header), then the weights
+    of the dtype asked for, dequantised once; a second resolve reuses both."""
     import shutil
 
-    from batchgen.models.loader import ensure_local, resolve_model
+    from batchgen.models.loader import ensure_local, ensure_weights, resolve_model
 
     monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "cache"))
     src = resolve_model(str(smol_source.gguf_file))
     assert src.folder.parent == tmp_path / "cache" / "gguf" and not src.folder.exists()
-    # Seed the new cache from the session's copy instead of dequantising again (~20 s).
-    shutil.copytree(smol_source.folder, src.folder)
-    mtime = (src.folder / "model.safetensors").stat().st_mtime
-    assert ensure_local(resolve_model(str(smol_source.gguf_file))) == src.folder
-    assert (src.folder / "model.safetensors").stat().st_mtime == mtime
+    assert ensure_local(src) == src.folder and (src.folder / "config.json").is_file()
+    assert not list(src.folder.glob("weights-*")), "the config and tokenizer need no weights"
+    # Seed the weights from the session's copy instead of dequantising again.
+    shutil.copytree(ensure_weights(smol_source, "float32"), src.folder / "weights-float32")
+    index = src.folder / "weights-float32" / "model.safetensors.index.json"
+    mtime = index.stat().st_mtime
+    assert ensure_weights(resolve_model(str(smol_source.gguf_file)), "float32") == index.parent
+    assert index.stat().st_mtime == mtime
     assert src.identity == smol_source.identity and src.identity.startswith("gguf:")
 
 

@@ -249,7 +249,7 @@ def test_signal_before_generation_stops_at_once_with_75(tmp_path, tiny_model_dir
 
     inp = write_prompts(tmp_path / "in.parquet", n=8)
     spec = load_job(write_job(tmp_path, tiny_model_dir, inp))
-    _signal_self_on_call(monkeypatch, loader, "load_hf_model", signal.SIGTERM)
+    _signal_self_on_call(monkeypatch, loader, "load_checkpoint", signal.SIGTERM)
     with pytest.raises(Interrupted, match="before any row was generated"):
         run_job(spec)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the handler was put back"

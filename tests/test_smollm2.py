@@ -170,3 +170,20 @@ def test_json_extraction_and_choice_jobs_on_the_real_model(tmp_path):
         assert all(any(lab.startswith(t["token"]) for lab in labels) for t in allowed)
         assert abs(sum(torch.tensor([t["logprob"] for t in allowed]).exp().tolist()) - 1) < 1e-3
         assert first["logprob"] == max(t["logprob"] for t in allowed)
+
+
+def test_gguf_dequantised_by_the_loader_equals_transformers(smol_source):
+    """Our tensor-at-a-time GGUF dequantisation (names mapped, llama's q/k rows un-permuted) gives
+    exactly the tensors transformers' own GGUF loader gives."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from batchgen.models.loader import gguf_tensors, load_config
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(load_config(smol_source))
+    ref = load_gguf_checkpoint(str(smol_source.gguf_file), return_tensors=True, model_to_load=skeleton)["tensors"]
+    ours = dict(gguf_tensors(smol_source.gguf_file, load_config(smol_source), torch.float32))
+    assert set(ours) == set(ref) - {"lm_head.weight"} or set(ours) == set(ref)
+    for name, t in ours.items():
+        assert torch.equal(t, torch.as_tensor(ref[name]).float()), name

@@ -95,13 +95,17 @@ def _run_job(spec: JobSpec, restart: bool, limit: int | None, shard: tuple[int, 
         store.release_lock()
 
 
-def load_engine(job: PreparedJob):
+def load_engine(job: PreparedJob, check=None):
+    """The engine with the job's model; check() runs after each layer's weights load (a pending
+    signal stops the run there)."""
     from ..llm import Engine
-    from ..models.loader import load_hf_model
+    from ..models.loader import load_checkpoint
+    from .fingerprint import resolved_dtype
 
     t = time.monotonic()
-    engine = Engine(load_hf_model(job.model), job.tokenizer, job.spec.engine, job.spec.model,
-                    model_identity=job.model.identity, grammars=job.grammars)
+    engine = Engine(load_checkpoint(job.model, resolved_dtype(job.spec)), job.tokenizer, job.spec.engine,
+                    job.spec.model, model_identity=job.model.identity, grammars=job.grammars,
+                    on_layer=(lambda i: check()) if check else None)
     log.info("model loaded in %.1fs", time.monotonic() - t)
     return engine
 
@@ -143,7 +147,7 @@ def _generate(job: PreparedJob, keep: np.ndarray, sink: ResultSink, stats: RunSt
     # Reading and tokenizing start now, in the background, while the weights load.
     windows = job.windows(keep, should_stop=lambda: bool(stop))
     try:
-        engine = load_engine(job)
+        engine = load_engine(job, stop.check_before_generation)
         stop.check_before_generation()
         progress = Progress(len(keep), enabled=show_progress)
 

@@ -161,32 +161,117 @@ def resolve_model(spec: str) -> ModelSource:
                       "(nothing is downloaded from a hub)")
 
 
+def _publish(tmp: Path, target: Path) -> None:
+    """Move a finished temp folder into place; another process that won the race has made an
+    equal copy, so ours goes."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def ensure_local(source: ModelSource) -> Path:
-    """The source's HF folder; for GGUF, the dequantised copy is made on first use."""
+    """The source's HF folder with config.json and the tokenizer. For GGUF they are written once
+    into the cache from the file's header (no tensor is read)."""
     target = source.folder
     if source.gguf_file is None or (target / "config.json").is_file():
         return target
     gguf = source.gguf_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    log.info("dequantising %s once into %s", gguf.name, target)
+    log.info("reading %s's config and tokenizer into %s", gguf.name, target)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
+    cfg = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # The cache holds plain weights; a leftover gguf quantization_config would send transformers
+    # looking for the GGUF file again.
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    # The weights are plain fp32 now; a leftover gguf quantization_config would make
-    # transformers look for the GGUF file again.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    model.save_pretrained(tmp)
+    cfg.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.rename(tmp, target)
-    except OSError:  # another process won the race; its copy is as good as ours
-        shutil.rmtree(tmp, ignore_errors=True)
+    _publish(tmp, target)
     return target
+
+
+# GGUF tensor names of the llama-family architectures -> transformers' names.
+_GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+               "output.weight": "lm_head.weight"}
+_GGUF_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+               "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
+               "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{parts[3]}"
+    return None  # e.g. rope_freqs: the config's rope scaling covers it
+
+
+def _unpermute(w, heads: int):
+    """llama.cpp stores Llama's q/k rows interleaved for its rotary layout; this is the inverse
+    (transformers' reverse_permute_weights)."""
+    dim = w.shape[0] // heads // 2
+    return w.reshape(heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def gguf_tensors(path: Path, config, dtype):
+    """(transformers name, tensor in dtype) of every weight of a GGUF file, dequantised one at a
+    time."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    permute = gguf_architecture(path) == "llama"
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            continue
+        shape = [int(x) for x in reversed(t.shape)]
+        data = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            data = _unpermute(data, heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(data)).to(dtype)
+
+
+def ensure_weights(source: ModelSource, dtype: str) -> Path:
+    """A folder of safetensors weights for `dtype` (float32, bfloat16, float16): a HF folder as it
+    is; a GGUF file dequantised once into the cache in that dtype, a tensor at a time and written
+    in shards, so neither a whole fp32 copy nor a transformers model is ever in memory."""
+    if source.gguf_file is None:
+        return source.folder
+    import torch
+
+    from .weights import save_safetensors_shards
+
+    target = source.folder / f"weights-{dtype}"
+    if (target / "model.safetensors.index.json").is_file():
+        return target
+    config = load_config(source)
+    log.info("dequantising %s once into %s", source.gguf_file.name, target)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_safetensors_shards(gguf_tensors(source.gguf_file, config, getattr(torch, dtype)), tmp)
+    _publish(tmp, target)
+    return target
+
+
+def load_checkpoint(source: ModelSource, dtype: str = "float32"):
+    """The weights (read lazily, a tensor at a time) and config the engine is built from; dtype
+    picks the GGUF cache to use (a HF folder is read in its own dtype and converted as it loads)."""
+    from .weights import Checkpoint, CheckpointWeights
+
+    config = load_config(source)
+    weights = CheckpointWeights(ensure_weights(source, dtype))
+    return Checkpoint(weights, config, eos_token_ids(source, config, None))
 
 
 def load_tokenizer(source: ModelSource):
@@ -208,11 +293,12 @@ def load_config(source: ModelSource):
 
 
 def load_hf_model(source: ModelSource):
-    """The transformers model in fp32 on the CPU; the runner takes its weights from it."""
+    """The transformers model in fp32 on the CPU (the transformers peers of `batchgen bench`, and
+    references in tests; the engine loads through load_checkpoint)."""
     from transformers import AutoModelForCausalLM
 
     load_config(source)
-    return AutoModelForCausalLM.from_pretrained(str(source.folder), dtype="float32")
+    return AutoModelForCausalLM.from_pretrained(str(hf_view(source, "float32")), dtype="float32")
 
 
 def eos_token_ids(source: ModelSource, config, tokenizer) -> tuple[int, ...]:
@@ -235,3 +321,22 @@ def eos_token_ids(source: ModelSource, config, tokenizer) -> tuple[int, ...]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))
+
+
+def hf_view(source: ModelSource, dtype: str = "float32") -> Path:
+    """A complete HF folder (config, tokenizer, weights) for tools that want one (vLLM in
+    examples/compare_vllm.py): a HF folder as it is; for GGUF, links to the cache's config,
+    tokenizer and weights of `dtype`."""
+    if source.gguf_file is None:
+        return source.folder
+    weights = ensure_weights(source, dtype)
+    view = source.folder / f"hf-{dtype}"
+    if not (view / "config.json").exists():
+        tmp = view.with_name(view.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for f in list(source.folder.glob("*.json")) + list(source.folder.glob("*.jinja")) + list(weights.iterdir()):
+            if f.is_file() and f.name != "model.safetensors":
+                (tmp / f.name).symlink_to(f.resolve())
+        _publish(tmp, view)
+    return view

@@ -6,6 +6,7 @@ New tokens' K/V are written through slot_mapping first; attention then reads onl
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -210,7 +211,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                 out[b.start : b.end] = _decode_batched(q[b.start : b.end], k_cache, v_cache, b, scale)
     if (meta.prefills and meta.backend == "cpu" and meta.decode_mode != "exact" and meta.prefill_cu_seqlens is not None
             and _prefill_cpu_ok(q, k_cache)):
-        _prefill_cpu_op(q[nd:], k_cache, v_cache, meta, scale, out[nd:])
+        whole = _whole_prompts_to_sdpa(q, k_cache, meta)
+        for p in meta.prefills[:whole]:
+            out[p.tok_start : p.tok_end] = _sdpa_one(q[p.tok_start : p.tok_end], k[p.tok_start : p.tok_end],
+                                                     v[p.tok_start : p.tok_end], scale, causal=True)
+        if whole < len(meta.prefills):
+            first = meta.prefills[whole].tok_start
+            _prefill_cpu_op(q[first:], k_cache, v_cache, meta, scale, out[first:], skip=whole)
         return out
     for p in meta.prefills:
         qs = q[p.tok_start : p.tok_end]
@@ -341,9 +348,35 @@ def _prefill_cpu_ok(q: torch.Tensor, k_cache) -> bool:
     return has_prefill_path(q.shape[1], k_cache.shape[2], k_cache.shape[3])
 
 
-def _prefill_cpu_op(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-    """Every prefill chunk of the step in one call of the C++ op, which reads K/V (the new tokens'
-    already stored) through the block tables: no gather, no mask, no per-sequence dispatch."""
+def _whole_prompts_to_sdpa(q: torch.Tensor, k_cache, meta: AttentionMetadata) -> int:
+    """How many of the step's leading prefill chunks (the runner puts whole prompts first) go to
+    torch's SDPA instead of the C++ op: on a CPU with AMX, for bf16, whole prompts only (their K/V
+    are the batch's own: no gather, no mask), where SDPA's flash kernel runs its GEMMs on AMX tiles
+    and beats the op's FMA tiles (`python examples/bench_cpu_attention.py` times both)."""
+    if not (q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16 and amx_available()):
+        return 0
+    k = 0
+    for p in meta.prefills:
+        if p.start_pos != 0 or (meta.window and p.tok_end - p.tok_start > meta.window):
+            break
+        k += 1
+    return k
+
+
+@functools.lru_cache(maxsize=None)
+def amx_available() -> bool:
+    cpu = getattr(torch, "cpu", None)
+    try:
+        return bool(cpu._is_amx_tile_supported())
+    except AttributeError:  # a torch without the probe
+        return False
+
+
+def _prefill_cpu_op(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                    skip: int = 0) -> None:
+    """The step's prefill chunks (all but the first `skip`; q and out start at the first one
+    taken) in one call of the C++ op, which reads K/V (the new tokens' already stored) through
+    the block tables: no gather, no mask, no per-sequence dispatch."""
     from batchgen.kernels.cpu_attention import paged_prefill
 
     scales = {}
@@ -351,7 +384,8 @@ def _prefill_cpu_op(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
         scales = dict(k_scale=k_cache.scale, v_scale=v_cache.scale)
         k_cache, v_cache = k_cache.data, v_cache.data
     dst = out if out.is_contiguous() else None
-    res = paged_prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens, meta.prefill_start_pos,
+    cu = meta.prefill_cu_seqlens[skip:] - meta.prefill_cu_seqlens[skip] if skip else meta.prefill_cu_seqlens
+    res = paged_prefill(q, k_cache, v_cache, meta.prefill_block_tables[skip:], cu, meta.prefill_start_pos[skip:],
                         scale, meta.window or 0, out=dst, **scales)
     if dst is None:
         out.copy_(res)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigError
 from ..shapes import ModelShape
 from .attention import AttentionMetadata, paged_attention
 from .linear import Linear
@@ -53,55 +54,79 @@ class Layer:
     down: Linear
 
 
+def rotary_tables(config, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [positions, head_dim] from the model family's own transformers rotary module, built
+    from the config alone (no weights): it covers every rope scaling transformers implements."""
+    import importlib
+
+    mod = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    cls = next(getattr(mod, n) for n in dir(mod) if n.endswith("RotaryEmbedding") and not n.startswith("_"))
+    with torch.no_grad():
+        cos, sin = cls(config)(torch.zeros(1, dtype=torch.float32), torch.arange(positions)[None])
+    return cos[0], sin[0]
+
+
 class CausalLM:
-    def __init__(self, hf_model, dtype: torch.dtype = torch.float32, device: str = "cpu", linear_path: str = "plain",
-                 fused: bool = False) -> None:
-        """fused: the C++ CPU layer ops (the engine's choice where they are loaded and the path
-        is not the exact reference one)."""
-        cfg = hf_model.config
+    def __init__(self, checkpoint, dtype: torch.dtype = torch.float32, device: str = "cpu", linear_path: str = "plain",
+                 fused: bool = False, on_layer=None) -> None:
+        """checkpoint: a models.weights.Checkpoint (or a transformers model in memory), read a
+        tensor at a time straight into this layout in `dtype` on `device`: the fused QKV and
+        gate/up matrices are packed layer by layer, so the host holds one layer's source tensors
+        at most besides the result. fused: the C++ CPU layer ops (the engine's choice). on_layer(i)
+        is called after each layer (a signal check)."""
+        from ..models.weights import Checkpoint
+
+        ckpt = Checkpoint.of(checkpoint)
+        cfg = ckpt.config
+        w = ckpt.weights
         self.shape = s = ModelShape.from_config(cfg)
         self.dtype = dtype
         self.device = torch.device(device)
         self.scale = s.head_dim ** -0.5
-        inner = hf_model.model
+        h, q, kv, inter = s.hidden_size, s.q_size, s.kv_size, s.intermediate_size
 
-        def t(x):
+        def t(name: str, shape: list[int]) -> torch.Tensor:
+            x = w.get(name)
+            if list(x.shape) != shape:
+                raise ConfigError(f"model: {w.where(name)}: tensor {name!r} has shape {list(x.shape)}; the config "
+                                  f"({s.model_type}, hidden {h}, heads {s.num_heads}/{s.num_kv_heads}, head_dim "
+                                  f"{s.head_dim}) needs {shape}")
             return x.detach().to(device=self.device, dtype=dtype).contiguous()
 
-        def lin(*mods):
-            w = torch.cat([t(m.weight) for m in mods], 0)
-            biases = [m.bias for m in mods]
-            b = torch.cat([t(x) for x in biases], 0) if biases[0] is not None else None
-            return Linear(w, b, linear_path)
+        def lin(prefix: str, parts: list[tuple[str, int]], cols: int) -> Linear:
+            weight = torch.cat([t(f"{prefix}{n}.weight", [rows, cols]) for n, rows in parts], 0)
+            bias = None
+            if w.has(f"{prefix}{parts[0][0]}.bias"):
+                bias = torch.cat([t(f"{prefix}{n}.bias", [rows]) for n, rows in parts], 0)
+            return Linear(weight, bias, linear_path)
 
-        self.embed = t(inner.embed_tokens.weight)
+        self.embed = t("model.embed_tokens.weight", [s.vocab_size, h])
         self.layers: list[Layer] = []
-        for hl in inner.layers:
-            a, m = hl.self_attn, hl.mlp
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
             self.layers.append(Layer(
-                input_norm=t(hl.input_layernorm.weight),
-                qkv=lin(a.q_proj, a.k_proj, a.v_proj),
-                q_norm=t(a.q_norm.weight) if hasattr(a, "q_norm") else None,
-                k_norm=t(a.k_norm.weight) if hasattr(a, "k_norm") else None,
-                o=lin(a.o_proj),
-                post_norm=t(hl.post_attention_layernorm.weight),
-                gate_up=lin(m.gate_proj, m.up_proj),
-                down=lin(m.down_proj),
+                input_norm=t(p + "input_layernorm.weight", [h]),
+                qkv=lin(p + "self_attn.", [("q_proj", q), ("k_proj", kv), ("v_proj", kv)], h),
+                q_norm=t(p + "self_attn.q_norm.weight", [s.head_dim]) if w.has(p + "self_attn.q_norm.weight") else None,
+                k_norm=t(p + "self_attn.k_norm.weight", [s.head_dim]) if w.has(p + "self_attn.k_norm.weight") else None,
+                o=lin(p + "self_attn.", [("o_proj", h)], q),
+                post_norm=t(p + "post_attention_layernorm.weight", [h]),
+                gate_up=lin(p + "mlp.", [("gate_proj", inter), ("up_proj", inter)], h),
+                down=lin(p + "mlp.", [("down_proj", h)], inter),
             ))
-        self.norm = t(inner.norm.weight)
-        # Tied: the same values as the embedding (transformers shares the parameter), kept once.
-        tied = hf_model.lm_head.weight is inner.embed_tokens.weight
-        self._lm_head_weight = self.embed if tied else t(hf_model.lm_head.weight)
+            if on_layer is not None:
+                on_layer(i)
+        self.norm = t("model.norm.weight", [h])
+        # Tied: the same values as the embedding, kept once.
+        tied = s.tie_word_embeddings or not w.has("lm_head.weight")
+        self._lm_head_weight = self.embed if tied else t("lm_head.weight", [s.vocab_size, h])
         self.lm_head = Linear(self._lm_head_weight, None, linear_path)
         # (bf16 Linear, fp32 weight, row norms) for greedy_tokens(), made on first use.
         self._lm_head_bf16 = None
         self.q_norm_eps = s.rms_eps
-        # cos/sin for every position, from transformers' own rotary module (covers rope scaling).
-        with torch.no_grad():
-            pos = torch.arange(s.max_position)[None]
-            cos, sin = inner.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)
-        self.cos = cos[0].to(device=self.device, dtype=dtype)  # [max_position, head_dim]
-        self.sin = sin[0].to(device=self.device, dtype=dtype)
+        cos, sin = rotary_tables(cfg, s.max_position)
+        self.cos = cos.to(device=self.device, dtype=dtype)  # [max_position, head_dim]
+        self.sin = sin.to(device=self.device, dtype=dtype)
         self.fused = fused
 
     @torch.inference_mode()

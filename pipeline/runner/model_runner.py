@@ -161,7 +161,9 @@ class ModelRunner:
         # length, so attention runs them in contiguous buckets; prefill chunks after them.
         decodes = sorted((s for s in seqs if len(s.token_ids) == 1), key=lambda s: s.start_pos)
         groups, rest = self._cascade_groups(decodes)
-        ordered = [s for g, _ in groups for s in g] + rest + [s for s in seqs if len(s.token_ids) > 1]
+        # Whole prompts before later chunks: attention may take the whole prompts another way.
+        prefills = sorted((s for s in seqs if len(s.token_ids) > 1), key=lambda s: s.start_pos > 0)
+        ordered = [s for g, _ in groups for s in g] + rest + prefills
         input_ids, positions, slots, meta, (sample_idx, sampled_seqs, scored) = self._prepare(ordered, groups)
         # The constraints' masks fill on a worker thread while the forward runs.
         pending = self.constraints.fill_async(sampled_seqs) if self.constraints and sampled_seqs else None

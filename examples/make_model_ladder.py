@@ -1,0 +1,103 @@
+"""Random-weight model folders at real shapes, for benchmarks on more than one model size.
+
+    .venv/bin/python examples/make_model_ladder.py [--out /tmp/batchgen-ladder] [--only qwen2.5-1.5b,llama-3-8b]
+
+Each folder is a local HF model (config.json, bf16 safetensors in shards, the bundled SmolLM2
+tokenizer) with the named model's architecture and sizes, its vocabulary cut to the tokenizer's
+49,152 tokens. The weights are random (normal, std 0.02; norms at 1): the text is noise, the
+speed and memory are the real model's. Tensors are made and written one at a time, so even the
+8B rung (about 15 GB) needs little memory. Then:
+
+    batchgen bench --model /tmp/batchgen-ladder/qwen2.5-1.5b --dtype bfloat16 --peers ''
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+VOCAB = 49152
+# name -> (transformers model_type, config fields)
+LADDER = {
+    "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                   num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                                   rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-6)),
+    "llama-3.2-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                   num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                                   tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072,
+                                   rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                                   rms_norm_eps=1e-5)),
+    "qwen2.5-1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                   num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
+                                   rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-6)),
+    "qwen2.5-3b": ("qwen2", dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                                 num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True,
+                                 rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-6)),
+    "llama-3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
+                                 rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)),
+}
+
+
+def tensors(config, seed: int = 0):
+    """(name, tensor) of a llama-family checkpoint with random weights, one at a time."""
+    from batchgen.shapes import ModelShape
+
+    s = ModelShape.from_config(config)
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    h, q, kv, inter = s.hidden_size, s.q_size, s.kv_size, s.intermediate_size
+    yield "model.embed_tokens.weight", rand(s.vocab_size, h)
+    for i in range(s.num_layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", torch.ones(h, dtype=torch.bfloat16)
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            yield p + f"self_attn.{name}.weight", rand(rows, h)
+            if s.qkv_bias:
+                yield p + f"self_attn.{name}.bias", rand(rows)
+        yield p + "self_attn.o_proj.weight", rand(h, q)
+        yield p + "post_attention_layernorm.weight", torch.ones(h, dtype=torch.bfloat16)
+        yield p + "mlp.gate_proj.weight", rand(inter, h)
+        yield p + "mlp.up_proj.weight", rand(inter, h)
+        yield p + "mlp.down_proj.weight", rand(h, inter)
+    yield "model.norm.weight", torch.ones(h, dtype=torch.bfloat16)
+    if not s.tie_word_embeddings:
+        yield "lm_head.weight", rand(s.vocab_size, h)
+
+
+def make(name: str, out: Path, tokenizer) -> Path:
+    from transformers import AutoConfig
+
+    from batchgen.models.weights import save_safetensors_shards
+
+    folder = out / name
+    if (folder / "model.safetensors.index.json").exists():
+        return folder
+    model_type, fields = LADDER[name]
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, torch_dtype="bfloat16", **fields)
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    save_safetensors_shards(tensors(config), folder)
+    return folder
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="/tmp/batchgen-ladder")
+    ap.add_argument("--only", default=",".join(LADDER))
+    args = ap.parse_args()
+    from batchgen.models.loader import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model("default"))
+    for name in args.only.split(","):
+        print(make(name, Path(args.out), tok), flush=True)
+
+
+if __name__ == "__main__":
+    main()
