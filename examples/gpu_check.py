@@ -8,7 +8,12 @@
     at contexts of 1k, 8k and 32k tokens with batch 64 (Llama-3-8B KV shape: 8 KV heads, 32 query
     heads, head_dim 128, bf16);
 (c) runs the end-to-end ShareGPT benchmark in bf16 on the default model (with and without CUDA
-    graphs, and with fp8 KV) and on a random-weight Llama-3-8B-shaped model, printing output tokens/s.
+    graphs, and with fp8 KV), printing output tokens/s;
+(d) writes a random-weight Llama-3-8B-shaped bf16 folder (examples/make_model_ladder.py, ~16 GB,
+    streamed), loads it onto the GPU in a fresh process and reports load time, peak host RSS
+    (the streaming loader keeps it near one tensor, not the model) and ShareGPT throughput;
+(e) runs a small random-weight Qwen3-MoE (the Triton fused-MoE kernel, eager decode) end to end.
+The fused-MoE kernel tests run in (a) too.
 """
 from __future__ import annotations
 
@@ -26,7 +31,9 @@ from batchgen.shapes import cdiv  # noqa: E402
 
 def kernel_tests() -> int:
     env = dict(os.environ, TRITON_INTERPRET="0")
-    return subprocess.call([sys.executable, "-m", "pytest", "-q", "tests/test_kernels.py"], env=env)
+    return (subprocess.call([sys.executable, "-m", "pytest", "-q", "tests/test_kernels.py"], env=env)
+            or subprocess.call([sys.executable, "-m", "pytest", "-q", "tests/test_families.py", "-k",
+                                "fused_moe or moe_align"], env=env))
 
 
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:
@@ -63,20 +70,32 @@ def decode_bandwidth(ctx: int, batch: int = 64, kvh: int = 8, heads: int = 32, d
     return 2 * kc.numel() * kc.element_size() * n / (time.perf_counter() - t)
 
 
-def llama3_8b_like(tmpdir: str) -> str:
-    from batchgen.models.loader import load_tokenizer, resolve_model
-    from transformers import AutoModelForCausalLM, LlamaConfig
+LOAD_AND_RUN = r"""
+import json, resource, sys, time
+from batchgen.config import EngineSpec, ModelSpec
+from batchgen.engine.request import SamplingParams
+from batchgen.llm import Engine, GenerationRequest
+from batchgen.models.loader import load_checkpoint, load_tokenizer, resolve_model
+from batchgen.workload import sample_workload
+src = resolve_model(sys.argv[1])
+tok = load_tokenizer(src)
+t = time.perf_counter()
+e = Engine(load_checkpoint(src, "bfloat16"), tok, EngineSpec(), ModelSpec(dtype="bfloat16", device="cuda"))
+load_s, rss = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+items = sample_workload("prompt-heavy", tok, int(sys.argv[2]), 256)
+reqs = [GenerationRequest(str(i), w.prompt_token_ids, SamplingParams(max_tokens=w.output_len, temperature=0,
+                                                                     ignore_eos=True)) for i, w in enumerate(items)]
+t = time.perf_counter()
+out = sum(r.completion_tokens for r in e.generate(reqs))
+wall = time.perf_counter() - t
+print(json.dumps({"model": sys.argv[1], "load_s": round(load_s, 1), "peak_host_rss_gib_after_load": round(rss, 2),
+                  "requests": len(reqs), "output_tokens": out, "output_tok_s": round(out / wall, 1)}))
+"""
 
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                      rope_theta=500000.0, torch_dtype="bfloat16")
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(tmpdir)
-    load_tokenizer(resolve_model("default")).save_pretrained(tmpdir)
-    del model
-    torch.cuda.empty_cache()
-    return tmpdir
+
+def load_and_run(folder: str, num_prompts: int) -> None:
+    p = subprocess.run([sys.executable, "-c", LOAD_AND_RUN, folder, str(num_prompts)], capture_output=True, text=True)
+    print("    " + (p.stdout.strip() or f"failed (exit {p.returncode}): {p.stderr[-2000:]}"), flush=True)
 
 
 def main() -> None:
@@ -100,13 +119,23 @@ def main() -> None:
         rep = run_bench(args.num_prompts, 256, dtypes=("bfloat16",), peers=(),
                         engine_kw={"max_num_seqs": 256, **kw})
         print(f"    bf16, {label}:\n" + format_report(rep), flush=True)
-    if not args.skip_8b:
-        import tempfile
+    import tempfile
 
-        with tempfile.TemporaryDirectory() as d:
-            rep = run_bench(args.num_prompts, 256, dtypes=("bfloat16",), peers=(), model=llama3_8b_like(d),
-                            engine_kw={"max_num_seqs": 256})
-            print("Llama-3-8B-shaped, random weights:\n" + format_report(rep), flush=True)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
+    from make_model_ladder import make
+
+    from batchgen.models.loader import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model("default"))
+    with tempfile.TemporaryDirectory() as d:
+        if not args.skip_8b:
+            t = time.perf_counter()
+            folder = make("llama-3-8b", __import__("pathlib").Path(d), tok)
+            print(f"(d) Llama-3-8B-shaped bf16 folder written in {time.perf_counter() - t:.0f} s; load and run:", flush=True)
+            load_and_run(str(folder), args.num_prompts)
+            __import__("shutil").rmtree(folder)
+        print("(e) Qwen3-MoE-shaped 0.5B (16 experts, 4 per token), Triton fused MoE:", flush=True)
+        load_and_run(str(make("qwen3-moe-0.5b", __import__("pathlib").Path(d), tok)), args.num_prompts)
 
 
 if __name__ == "__main__":

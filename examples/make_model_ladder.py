@@ -38,11 +38,18 @@ LADDER = {
     "llama-3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                  num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
                                  rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)),
+    # A small mixture of experts at Qwen3-MoE's layout (0.55B parameters, 0.17B active per token).
+    "qwen3-moe-0.5b": ("qwen3_moe", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=16,
+                                         num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                                         num_experts=16, num_experts_per_tok=4, moe_intermediate_size=512,
+                                         norm_topk_prob=True, tie_word_embeddings=True, rope_theta=1e6,
+                                         max_position_embeddings=32768, rms_norm_eps=1e-6)),
 }
 
 
 def tensors(config, seed: int = 0):
-    """(name, tensor) of a llama-family checkpoint with random weights, one at a time."""
+    """(name, tensor) of a llama-family checkpoint with random weights, one at a time (a sparse
+    layer's experts under the per-expert names real checkpoints use)."""
     from batchgen.shapes import ModelShape
 
     s = ModelShape.from_config(config)
@@ -62,6 +69,17 @@ def tensors(config, seed: int = 0):
                 yield p + f"self_attn.{name}.bias", rand(rows)
         yield p + "self_attn.o_proj.weight", rand(h, q)
         yield p + "post_attention_layernorm.weight", torch.ones(h, dtype=torch.bfloat16)
+        if s.model_type == "qwen3_moe":
+            yield p + "self_attn.q_norm.weight", torch.ones(s.head_dim, dtype=torch.bfloat16)
+            yield p + "self_attn.k_norm.weight", torch.ones(s.head_dim, dtype=torch.bfloat16)
+        if i in s.moe_layers:
+            yield p + "mlp.gate.weight", rand(s.num_experts, h)
+            for j in range(s.num_experts):
+                e = s.expert_intermediate_size
+                yield p + f"mlp.experts.{j}.gate_proj.weight", rand(e, h)
+                yield p + f"mlp.experts.{j}.up_proj.weight", rand(e, h)
+                yield p + f"mlp.experts.{j}.down_proj.weight", rand(h, e)
+            continue
         yield p + "mlp.gate_proj.weight", rand(inter, h)
         yield p + "mlp.up_proj.weight", rand(inter, h)
         yield p + "mlp.down_proj.weight", rand(h, inter)
@@ -81,6 +99,9 @@ def make(name: str, out: Path, tokenizer) -> Path:
     model_type, fields = LADDER[name]
     config = AutoConfig.for_model(model_type, vocab_size=VOCAB, bos_token_id=tokenizer.bos_token_id,
                                   eos_token_id=tokenizer.eos_token_id, torch_dtype="bfloat16", **fields)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]  # other engines pick their class by it
     config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     save_safetensors_shards(tensors(config), folder)

@@ -49,6 +49,8 @@ def plan(shape: ModelShape, dtype: str, kv_budget_bytes: int, seq_tokens: int, b
     suggest_tokens = max(2048, min(16384, (avg_prompt or seq_tokens // 2) + suggest_seqs))
     weights = shape.num_params() * DTYPE_BYTES[dtype]
     out = {"model": name, "params": shape.num_params(), "dtype": dtype, "kv_dtype": kv_dtype,
+           **({"experts": shape.num_experts, "experts_per_token": shape.experts_per_token,
+               "active_params": shape.non_embedding_params()} if shape.num_experts else {}),
            "weight_bytes": weights, "weight_gb": round(weights / 1e9, 1),
            "kv_bytes_per_token": per_tok, "kv_kib_per_token": round(per_tok / 1024, 1),
            "seq_tokens": seq_tokens, "kv_bytes_per_seq": per_seq, "kv_gib_per_seq": round(per_seq / 2**30, 2),
@@ -113,7 +115,9 @@ def plan_job(spec, sample_rows: int | None = None) -> dict:
 
 
 def format_plan(p: dict) -> str:
-    lines = [f"model: {p['model']} ({p['params'] / 1e9:.2f} B parameters), dtype {p['dtype']}"
+    experts = (f"; {p['experts']} experts, {p['experts_per_token']} per token: "
+               f"{p['active_params'] / 1e9:.2f} B non-embedding parameters active" if p.get("experts") else "")
+    lines = [f"model: {p['model']} ({p['params'] / 1e9:.2f} B parameters{experts}), dtype {p['dtype']}"
              + (f" on {p['device']}" if p.get("device") else ""),
              f"weights: {p['weight_gb']} GB",
              f"KV per token ({p['kv_dtype']}): {p['kv_kib_per_token']} KiB; per sequence of {p['seq_tokens']} tokens: "

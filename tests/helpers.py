@@ -3,9 +3,11 @@ from __future__ import annotations
 
 
 def tiny_hf_model(family: str = "llama", vocab_size: int = 512, seed: int = 0, **overrides):
-    """A randomly initialised tiny decoder: Llama with GQA, or Qwen3 with q/k norm."""
+    """A randomly initialised tiny decoder: Llama with GQA, Qwen3 with q/k norm, Phi-3 (fused
+    projections), or a mixture of experts (Mixtral, Qwen2-MoE with a shared expert and one dense
+    layer, Qwen3-MoE)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -20,6 +22,17 @@ def tiny_hf_model(family: str = "llama", vocab_size: int = 512, seed: int = 0, *
         cfg = MistralConfig(**common)
     elif family == "qwen2":
         cfg = Qwen2Config(**common)
+    elif family == "phi3":
+        cfg = AutoConfig.for_model("phi3", **common)
+    elif family == "mixtral":
+        cfg = AutoConfig.for_model("mixtral", num_local_experts=4, num_experts_per_tok=2, **common)
+    elif family == "qwen2_moe":
+        cfg = AutoConfig.for_model("qwen2_moe", num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+                                   shared_expert_intermediate_size=80, mlp_only_layers=[1], norm_topk_prob=False,
+                                   **common)
+    elif family == "qwen3_moe":
+        cfg = AutoConfig.for_model("qwen3_moe", head_dim=16, num_experts=8, num_experts_per_tok=3,
+                                   moe_intermediate_size=32, norm_topk_prob=True, **common)
     else:
         raise ValueError(family)
     return AutoModelForCausalLM.from_config(cfg).eval()

@@ -79,10 +79,10 @@ def test_output_schema_doc_matches_the_writer():
     from batchgen.job.sink import output_schema
 
     doc = json.loads((REPO / "schemas" / "output.schema.json").read_text())
-    # Every optional column at once: n > 1, truncation.
+    # Every optional column at once: n > 1, truncation, logprobs of outputs and prompts.
     from batchgen.job.sink import LOGPROBS_TYPE
 
-    spec = JobSpec.model_validate({"input": {"path": "x"}, "output": {"path": "o"}, "sampling": {"n": 2, "logprobs": 2},
+    spec = JobSpec.model_validate({"input": {"path": "x"}, "output": {"path": "o"}, "sampling": {"n": 2, "logprobs": 2, "prompt_logprobs": 1},
                                    "on_too_long": "truncate_left"})
     schema = output_schema(spec, pa.string(), {})
     assert schema.names == list(doc["properties"])

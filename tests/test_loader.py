@@ -1,7 +1,6 @@
 """The streaming weight loader: HF folders (single and sharded safetensors) straight into the
 runner's layout, equal to transformers; clear errors for broken checkpoints; bounded memory."""
 import json
-import os
 import subprocess
 import sys
 
@@ -106,7 +105,7 @@ e = Engine(load_checkpoint(resolve_model({str(folder)!r}), "bfloat16"), None,
 weights = sum(p.numel() * p.element_size() for p in [e.model.embed, e.model.norm, e.model.cos, e.model.sin])
 for l in e.model.layers:
     weights += sum(x.numel() * x.element_size() for x in [l.input_norm, l.post_norm])
-    weights += sum(lin.out_features * lin.in_features * 2 for lin in [l.qkv, l.o, l.gate_up, l.down])
+    weights += 2 * (sum(lin.out_features * lin.in_features for lin in [l.qkv, l.o]) + l.mlp.num_weights())
 print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, weights, e.model.shape.num_layers)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -4,7 +4,6 @@ constraint lets through, how rows end, per-row and OpenAI forms, and everything 
 import json
 
 import jsonschema
-import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -29,7 +28,6 @@ def cli(*args):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    from batchgen.llm import Engine
     from batchgen.models.loader import load_hf_model, load_tokenizer, resolve_model
 
     src = resolve_model(str(tiny_model_dir))

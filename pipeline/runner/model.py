@@ -1,9 +1,10 @@
-"""A lean Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) over a paged KV cache.
+"""A lean decoder for the Llama family and its relatives (Llama, Mistral, Qwen2, Qwen3, SmolLM,
+Phi-3, and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) over a paged KV cache.
 
-Weights are taken from the transformers model, so loading stays theirs (safetensors, GGUF);
-the forward pass is ours: one flat varlen batch, fused QKV and gate/up GEMMs, logits only at
-sampled positions. The arithmetic of each op follows transformers' so the fp32 `plain` path
-reproduces its greedy tokens exactly.
+Weights are read a tensor at a time from the checkpoint (models.weights); the forward pass is
+ours: one flat varlen batch, fused QKV and gate/up GEMMs, logits only at sampled positions. The
+arithmetic of each op follows transformers' so the fp32 `plain` path reproduces its greedy
+tokens exactly.
 """
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..shapes import ModelShape
 from .attention import AttentionMetadata, paged_attention
 from .linear import Linear
+from .moe import DenseMLP, SparseMoE, silu_mul_reference
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,20 +51,31 @@ class Layer:
     k_norm: torch.Tensor | None
     o: Linear
     post_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    mlp: DenseMLP | SparseMoE
 
 
 def rotary_tables(config, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [positions, head_dim] from the model family's own transformers rotary module, built
-    from the config alone (no weights): it covers every rope scaling transformers implements."""
+    from the config alone (no weights): it covers every rope scaling transformers implements
+    (models.loader.check_rope refuses the rest). longrope: the short factors below
+    original_max_position_embeddings and the long ones from there on, per position. That is
+    transformers' result for every sequence within the original length; past it, transformers
+    drops its KV cache and recomputes the whole sequence with the long factors, which a paged
+    cache would pay for with a second prefill, so the earlier positions keep the short ones."""
     import importlib
 
     mod = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
     cls = next(getattr(mod, n) for n in dir(mod) if n.endswith("RotaryEmbedding") and not n.startswith("_"))
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    split = positions
+    if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):
+        split = min(positions, rope.get("original_max_position_embeddings")
+                    or getattr(config, "original_max_position_embeddings", positions))
+    rotary = cls(config)
+    x = torch.zeros(1, dtype=torch.float32)
     with torch.no_grad():
-        cos, sin = cls(config)(torch.zeros(1, dtype=torch.float32), torch.arange(positions)[None])
-    return cos[0], sin[0]
+        parts = [rotary(x, torch.arange(lo, hi)[None]) for lo, hi in ((0, split), (split, positions)) if hi > lo]
+    return torch.cat([c[0] for c, _ in parts]), torch.cat([s[0] for _, s in parts])
 
 
 class CausalLM:
@@ -93,12 +105,22 @@ class CausalLM:
                                   f"{s.head_dim}) needs {shape}")
             return x.detach().to(device=self.device, dtype=dtype).contiguous()
 
-        def lin(prefix: str, parts: list[tuple[str, int]], cols: int) -> Linear:
+        def lin(prefix: str, parts: list[tuple[str, int]], cols: int, fused: str | None = None) -> Linear:
+            """The parts' weights stacked by rows, or the checkpoint's own fused matrix (Phi-3's
+            qkv_proj and gate_up_proj) where it has one."""
+            if fused is not None and w.has(f"{prefix}{fused}.weight"):
+                parts = [(fused, sum(rows for _, rows in parts))]
             weight = torch.cat([t(f"{prefix}{n}.weight", [rows, cols]) for n, rows in parts], 0)
             bias = None
             if w.has(f"{prefix}{parts[0][0]}.bias"):
                 bias = torch.cat([t(f"{prefix}{n}.bias", [rows]) for n, rows in parts], 0)
             return Linear(weight, bias, linear_path)
+
+        def mlp(p: str, i: int) -> DenseMLP | SparseMoE:
+            if i not in s.moe_layers:
+                return DenseMLP(lin(p + "mlp.", [("gate_proj", inter), ("up_proj", inter)], h, fused="gate_up_proj"),
+                                lin(p + "mlp.", [("down_proj", h)], inter))
+            return self._sparse_moe(w, t, lin, p, linear_path)
 
         self.embed = t("model.embed_tokens.weight", [s.vocab_size, h])
         self.layers: list[Layer] = []
@@ -106,13 +128,12 @@ class CausalLM:
             p = f"model.layers.{i}."
             self.layers.append(Layer(
                 input_norm=t(p + "input_layernorm.weight", [h]),
-                qkv=lin(p + "self_attn.", [("q_proj", q), ("k_proj", kv), ("v_proj", kv)], h),
+                qkv=lin(p + "self_attn.", [("q_proj", q), ("k_proj", kv), ("v_proj", kv)], h, fused="qkv_proj"),
                 q_norm=t(p + "self_attn.q_norm.weight", [s.head_dim]) if w.has(p + "self_attn.q_norm.weight") else None,
                 k_norm=t(p + "self_attn.k_norm.weight", [s.head_dim]) if w.has(p + "self_attn.k_norm.weight") else None,
                 o=lin(p + "self_attn.", [("o_proj", h)], q),
                 post_norm=t(p + "post_attention_layernorm.weight", [h]),
-                gate_up=lin(p + "mlp.", [("gate_proj", inter), ("up_proj", inter)], h),
-                down=lin(p + "mlp.", [("down_proj", h)], inter),
+                mlp=mlp(p, i),
             ))
             if on_layer is not None:
                 on_layer(i)
@@ -128,6 +149,33 @@ class CausalLM:
         self.cos = cos.to(device=self.device, dtype=dtype)  # [max_position, head_dim]
         self.sin = sin.to(device=self.device, dtype=dtype)
         self.fused = fused
+
+    def _sparse_moe(self, w, t, lin, p: str, linear_path: str) -> SparseMoE:
+        """A sparse layer's router and experts, from transformers' in-memory layout (experts as
+        [experts, 2I, hidden] and [experts, hidden, I]) or a checkpoint's per-expert matrices
+        (Mixtral's block_sparse_moe.experts.j.w1/w3/w2, the Qwen MoEs' mlp.experts.j.*_proj)."""
+        s = self.shape
+        h, e, inter = s.hidden_size, s.num_experts, s.expert_intermediate_size
+        moe = p + ("block_sparse_moe." if w.has(p + "block_sparse_moe.gate.weight") else "mlp.")
+        router = t(moe + "gate.weight", [e, h])
+        if w.has(moe + "experts.gate_up_proj"):
+            stacked_gu = t(moe + "experts.gate_up_proj", [e, 2 * inter, h])
+            stacked_d = t(moe + "experts.down_proj", [e, h, inter])
+            gate_up, down = list(stacked_gu.unbind(0)), list(stacked_d.unbind(0))
+        else:
+            names = (("w1", "w3"), "w2") if w.has(moe + "experts.0.w1.weight") else (("gate_proj", "up_proj"), "down_proj")
+            gate_up = [torch.cat([t(f"{moe}experts.{j}.{n}.weight", [inter, h]) for n in names[0]], 0)
+                       for j in range(e)]
+            down = [t(f"{moe}experts.{j}.{names[1]}.weight", [h, inter]) for j in range(e)]
+        shared = shared_gate = None
+        if s.shared_expert_intermediate_size:
+            si = s.shared_expert_intermediate_size
+            shared = DenseMLP(lin(moe + "shared_expert.", [("gate_proj", si), ("up_proj", si)], h),
+                              lin(moe + "shared_expert.", [("down_proj", h)], si))
+            shared_gate = t(moe + "shared_expert_gate.weight", [1, h])
+        return SparseMoE(router, gate_up, down, s.experts_per_token, s.norm_topk_prob,
+                         fp32_weights=s.model_type == "mixtral", linear_path=linear_path, shared=shared,
+                         shared_gate=shared_gate)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -151,8 +199,7 @@ class CausalLM:
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             h = h + layer.o(o.reshape(n, q_size))
             x = rms_norm(h, layer.post_norm, s.rms_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h = h + layer.mlp(x, silu_mul_reference)
         h = rms_norm(h[sample_idx], self.norm, s.rms_eps)
         return self.lm_head(h).float() if logits else h
 
@@ -187,7 +234,7 @@ class CausalLM:
             q, k, v = self._qkv_heads(layer, layer.qkv(x), lambda t: ops.rope_(t, cos, sin))
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             x = ops.add_rms_norm(h, layer.o(o.reshape(n, q_size)), layer.post_norm, s.rms_eps)
-            down = layer.down(ops.silu_mul(layer.gate_up(x)))
+            down = layer.mlp(x, ops.silu_mul)
             if i + 1 < len(self.layers):
                 x = ops.add_rms_norm(h, down, self.layers[i + 1].input_norm, s.rms_eps)
             else:

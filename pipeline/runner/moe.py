@@ -1,0 +1,115 @@
+"""The feed-forward blocks: a dense gated MLP, and a sparse mixture-of-experts block (Mixtral,
+Qwen2-MoE with its shared expert, Qwen3-MoE).
+
+Routing follows transformers' arithmetic: router logits in the model dtype, softmax in fp32, the
+top-k experts, renormalised to sum to 1 where the family does (Mixtral always, the Qwen MoEs with
+`norm_topk_prob`); Mixtral keeps the weights in fp32, the Qwen MoEs round them to the model dtype.
+
+On the CPU the tokens are grouped by expert (one stable sort) and each active expert runs one
+gate/up GEMM and one down GEMM over its tokens; the weighted outputs are added back per token in
+ascending expert order, as transformers adds them. On CUDA the experts run as two grouped GEMMs
+over the tokens sorted by expert (batchgen.kernels.fused_moe, a Triton kernel).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .linear import Linear
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """[n, 2I] (gate, then up) -> silu(gate) * up, as transformers computes it."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass
+class DenseMLP:
+    gate_up: Linear
+    down: Linear
+
+    def __call__(self, x: torch.Tensor, silu_mul) -> torch.Tensor:
+        return self.down(silu_mul(self.gate_up(x)))
+
+    def num_weights(self) -> int:
+        return sum(lin.out_features * lin.in_features for lin in (self.gate_up, self.down))
+
+
+class SparseMoE:
+    """A sparse MoE block. gate_up[e] [2I, hidden] (gate rows first), down[e] [hidden, I]."""
+
+    def __init__(self, router: torch.Tensor, gate_up: list[torch.Tensor], down: list[torch.Tensor], top_k: int,
+                 renormalize: bool, fp32_weights: bool, linear_path: str, shared: DenseMLP | None = None,
+                 shared_gate: torch.Tensor | None = None) -> None:
+        self.router = router  # [experts, hidden]
+        self.num_experts = len(gate_up)
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.fp32_weights = fp32_weights
+        self.shared = shared
+        self.shared_gate = shared_gate  # [1, hidden] or None
+        self.on_cuda = router.device.type == "cuda"
+        if self.on_cuda:
+            # The Triton kernel reads the experts as one [experts, N, K] tensor each.
+            self.w_gate_up = torch.stack(gate_up)
+            self.w_down = torch.stack(down)
+            self.experts: list[tuple[Linear, Linear]] = []
+        else:
+            self.experts = [(Linear(gu, None, linear_path), Linear(d, None, linear_path))
+                            for gu, d in zip(gate_up, down)]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [n, k], expert ids [n, k]) of each token."""
+        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.fp32_weights else weights.to(x.dtype)), ids
+
+    def __call__(self, x: torch.Tensor, silu_mul) -> torch.Tensor:
+        weights, ids = self.route(x)
+        if self.on_cuda:
+            from batchgen.kernels.fused_moe import fused_moe
+
+            out = fused_moe(x, self.w_gate_up, self.w_down, weights, ids)
+        else:
+            out = self._grouped(x, weights, ids, silu_mul)
+        if self.shared is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x, silu_mul)
+        return out
+
+    def _grouped(self, x, weights, ids, silu_mul) -> torch.Tensor:
+        """Each active expert's GEMMs over its tokens; the weighted outputs land in the (token,
+        choice) rows of one buffer (a copy, not an atomic add), and each token's choices are
+        summed in ascending expert order, the order of transformers' index_add_."""
+        n, k = ids.shape
+        ids, perm = torch.sort(ids, dim=-1)
+        weights = torch.gather(weights, 1, perm)
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // k
+        flat_weights = weights.flatten()[order]
+        y = torch.empty((n * k, x.shape[1]), dtype=x.dtype)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            gate_up, down = self.experts[e]
+            out = down(silu_mul(gate_up(x.index_select(0, tokens[start : start + count]))))
+            y.index_copy_(0, order[start : start + count], (out * flat_weights[start : start + count, None]).to(x.dtype))
+            start += count
+        y = y.view(n, k, -1)
+        out = y[:, 0].clone()
+        for j in range(1, k):
+            out += y[:, j]
+        return out
+
+    def num_weights(self) -> int:
+        per_expert = self.w_gate_up[0].numel() + self.w_down[0].numel() if self.on_cuda else sum(
+            lin.out_features * lin.in_features for lin in self.experts[0])
+        return (per_expert * self.num_experts + self.router.numel()
+                + (self.shared.num_weights() + self.shared_gate.numel() if self.shared is not None else 0))
