@@ -261,7 +261,7 @@ def gguf_tensors(path: Path, config, dtype):
         if name is None:
             continue
         shape = [int(x) for x in reversed(t.shape)]
-        data = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        data = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)  # a writable copy
         if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             data = _unpermute(data, heads)
