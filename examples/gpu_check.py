@@ -72,9 +72,9 @@ def decode_bandwidth(ctx: int, batch: int = 64, kvh: int = 8, heads: int = 32, d
 
 LOAD_AND_RUN = r"""
 import json, resource, sys, time
+from batchgen.bench import workload_requests
 from batchgen.config import EngineSpec, ModelSpec
-from batchgen.engine.request import SamplingParams
-from batchgen.llm import Engine, GenerationRequest
+from batchgen.llm import Engine
 from batchgen.models.loader import load_checkpoint, load_tokenizer, resolve_model
 from batchgen.workload import sample_workload
 src = resolve_model(sys.argv[1])
@@ -83,8 +83,7 @@ t = time.perf_counter()
 e = Engine(load_checkpoint(src, "bfloat16"), tok, EngineSpec(), ModelSpec(dtype="bfloat16", device="cuda"))
 load_s, rss = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 items = sample_workload("prompt-heavy", tok, int(sys.argv[2]), 256)
-reqs = [GenerationRequest(str(i), w.prompt_token_ids, SamplingParams(max_tokens=w.output_len, temperature=0,
-                                                                     ignore_eos=True)) for i, w in enumerate(items)]
+reqs = workload_requests(items)
 t = time.perf_counter()
 out = sum(r.completion_tokens for r in e.generate(reqs))
 wall = time.perf_counter() - t

@@ -94,7 +94,7 @@ class Engine:
         which caps the default KV budget; grammars: a guided.GrammarBook shared with whoever
         compiled the constraints already (made on first need otherwise); on_layer(i) is called as
         each layer's weights load."""
-        from .models.weights import Checkpoint
+        from .models.weights import Checkpoint, eos_ids_of
 
         checkpoint = Checkpoint.of(checkpoint)
         self.config = spec = build.apply_profile(engine or EngineSpec())
@@ -125,7 +125,7 @@ class Engine:
                                      self.window)
         self.runner = ModelRunner(self.model, self.kv_cache, Sampler(spec.seed, fused_argmax=backend.fused_ops),
                                   spec.decode_attention, backend.attention, self.window, graphs)
-        self.eos_token_ids = self._eos_ids(checkpoint.eos_token_ids, tokenizer)
+        self.eos_token_ids = tuple(sorted(set(checkpoint.eos_token_ids).union(eos_ids_of(tokenizer))))
         self.grammars = grammars
         log.info("engine: %s %s, linear=%s, attention=%s%s, KV cache %d blocks x %d tokens = %.2f GiB (%d B/token), "
                  "CPU tier %d blocks = %.2f GiB", self.device, build.dtype_name(self.dtype), backend.linear_path,
@@ -151,13 +151,6 @@ class Engine:
         dtype = build.dtype_name(build.resolve_dtype(model.dtype, build.resolve_device(model.device)))
         return cls(load_checkpoint(source, dtype), load_tokenizer(source), engine, model,
                    model_identity=source.identity)
-
-    @staticmethod
-    def _eos_ids(model_eos: tuple[int, ...], tokenizer) -> tuple[int, ...]:
-        ids = set(model_eos)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            ids.add(tokenizer.eos_token_id)
-        return tuple(sorted(ids))
 
     # -- generation ------------------------------------------------------------------------
 
@@ -218,17 +211,13 @@ class Engine:
                 self.scheduler.reject(samples[0], f"sampling.response_format: {error}")
 
     def _constraint_error(self, fmt) -> str | None:
-        from .runner.guided import Constraints, GrammarBook, GrammarError
+        from .runner.guided import Constraints, GrammarBook
 
         if self.grammars is None:
             self.grammars = GrammarBook(self.tokenizer, self.model.shape.vocab_size, self.eos_token_ids)
         if self.runner.constraints is None:
             self.runner.constraints = Constraints(self.grammars)
-        try:
-            self.grammars.compile(fmt)
-        except GrammarError as e:
-            return str(e)
-        return None
+        return self.grammars.error(fmt)
 
     def step(self) -> list[GenerationResult]:
         sched_out = self.scheduler.schedule()

@@ -106,6 +106,11 @@ class ModelShape:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def _attention_params(self) -> int:
+        """Matrix parameters of all layers' attention projections (q, k, v, o)."""
+        h = self.hidden_size
+        return self.num_layers * (h * (self.q_size + 2 * self.kv_size) + self.q_size * h)
+
     def _mlp_params(self, experts: int) -> int:
         """Matrix parameters of all MLPs when each sparse layer counts `experts` experts."""
         h, sparse = self.hidden_size, len(self.moe_layers)
@@ -117,9 +122,7 @@ class ModelShape:
     def non_embedding_params(self) -> int:
         """Parameters that every token multiplies through (2 FLOP each): the layers' matrices, with
         only the experts a token is routed to counted in a sparse layer."""
-        h = self.hidden_size
-        attention = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        return self.num_layers * attention + self._mlp_params(self.experts_per_token)
+        return self._attention_params() + self._mlp_params(self.experts_per_token)
 
     def num_params(self) -> int:
         """Every parameter: the layers' matrices (every expert), biases and norms, the embedding
@@ -129,8 +132,20 @@ class ModelShape:
         if self.model_type in ("qwen3", "qwen3_moe"):
             small += 2 * self.head_dim  # q/k norms
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        attention = self.num_layers * (h * (self.q_size + 2 * self.kv_size) + self.q_size * h)
-        return attention + self._mlp_params(self.num_experts) + self.num_layers * small + embeddings + h
+        return (self._attention_params() + self._mlp_params(self.num_experts) + self.num_layers * small
+                + embeddings + h)
+
+
+def rope_parameters(cfg: Any) -> Any:
+    """A config's rotary-embedding parameters as written (a transformers config or a config.json
+    dict; transformers 5's `rope_parameters` or the older `rope_scaling`), {} where it has none."""
+    return _get(cfg, "rope_parameters") or _get(cfg, "rope_scaling") or {}
+
+
+def rope_kind(rope: dict) -> str:
+    """The rope type of rope_parameters(), Phi-3's old `su` named `longrope` as transformers does."""
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    return "longrope" if kind == "su" else kind
 
 
 def kv_bytes_per_token_head(kv_dtype: str, head_dim: int) -> int:

@@ -232,6 +232,11 @@ class SegmentCache:
         return out
 
 
+def user_conversation(system: str | None, prompt: str) -> list[dict]:
+    """A prompt-column row's conversation: the job's system prompt, if any, then the prompt."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
 class PromptFrame:
     """For prompt-column jobs: the chat template's text around a row's prompt, so the template
     need not be rendered for every row. A conversation of one user message (after the job's
@@ -263,8 +268,7 @@ class PromptFrame:
                 return
 
     def conversation(self, prompt: str) -> list[dict]:
-        return ([{"role": "system", "content": self.system}] if self.system else []) + \
-            [{"role": "user", "content": prompt}]
+        return user_conversation(self.system, prompt)
 
     def texts(self, prompts: dict[int, str]) -> dict[int, str] | None:
         """The templated text of each prompt, or None where the template must render them."""
@@ -356,9 +360,7 @@ class Preparer:
             if framed is not None:
                 texts.update(framed)
             else:
-                convs.update((k, self.frame.conversation(p) if self.frame else
-                              ([{"role": "system", "content": system}] if system else []) +
-                              [{"role": "user", "content": p}]) for k, p in prompts.items())
+                convs.update((k, user_conversation(system, p)) for k, p in prompts.items())
         if convs:
             texts.update(self._render(convs, errors))
         return texts, errors
@@ -379,17 +381,17 @@ class Preparer:
                 errors[k] = f"column {self.column!r}: chat template failed ({e})"
         return out
 
+    @property
+    def _format_column(self) -> str:
+        """Where a row's own response_format comes from: its sampling column, or the OpenAI body."""
+        return self.spec.input.sampling_columns.get("response_format", "body.response_format")
+
     def _constraint_error(self, fmt, per_row: bool) -> str | None:
         """Compile the row's constraint once (cached): an invalid one makes the row an error row."""
-        from ..runner.guided import GrammarError
-
-        try:
-            self.grammars.compile(fmt)
-        except GrammarError as e:
-            where = f"column {self.spec.input.sampling_columns.get('response_format', 'body.response_format')!r}" \
-                if per_row else "sampling.response_format"
-            return f"{where}: {e}"
-        return None
+        error = self.grammars.error(fmt)
+        if error is None:
+            return None
+        return f"{f'column {self._format_column!r}' if per_row else 'sampling.response_format'}: {error}"
 
     def sampling(self, win: RowWindow, k: int) -> SamplingParams | str:
         """The job's sampling with the row's overrides (validated like the job's), and its seed."""
@@ -400,8 +402,7 @@ class Preparer:
         if "response_format" in changes:
             fmt = _cell_format(changes["response_format"])
             if isinstance(fmt, str):
-                col = self.spec.input.sampling_columns.get("response_format", "body.response_format")
-                return f"column {col!r}: bad per-row response_format ({fmt})"
+                return f"column {self._format_column!r}: bad per-row response_format ({fmt})"
             changes["response_format"] = fmt
         sp = base
         if changes:

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..cache import cache_root
 from ..digest import file_sha256
 from ..errors import ConfigError
+from ..shapes import rope_kind, rope_parameters
 
 log = logging.getLogger("batchgen")
 
@@ -61,11 +62,10 @@ def check_rope(cfg, where: str) -> None:
     """Refuse a rope scaling or partial rotary embedding the runner does not implement, from the
     config alone (a dict from config.json or a transformers config)."""
     get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
-    rope = get("rope_parameters") or get("rope_scaling") or {}
+    rope = rope_parameters(cfg)
     if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
         raise ConfigError(f"model: {where}: per-layer rope parameters are not supported")
-    kind = rope.get("rope_type") or rope.get("type") or "default"
-    kind = "longrope" if kind == "su" else kind
+    kind = rope_kind(rope)
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"model: {where}: rope scaling {kind!r} is not supported (supported: "
                           f"{', '.join(SUPPORTED_ROPE_TYPES)}); refusing rather than running it wrong")
@@ -329,23 +329,16 @@ def load_hf_model(source: ModelSource):
 def eos_token_ids(source: ModelSource, config, tokenizer) -> tuple[int, ...]:
     """The token ids that end a generation: the model config's, its generation config's and the
     tokenizer's EOS (the engine stops on any of them)."""
-    ids: set[int] = set()
-    sources = [config]
+    from .weights import eos_ids_of
+
+    generation = None
     gen = source.folder / "generation_config.json"
     if gen.is_file():
         try:
-            sources.append(json.loads(gen.read_text()))
+            generation = json.loads(gen.read_text())
         except (OSError, ValueError):
             pass
-    for src in sources:
-        e = src.get("eos_token_id") if isinstance(src, dict) else getattr(src, "eos_token_id", None)
-        if isinstance(e, int):
-            ids.add(e)
-        elif e:
-            ids.update(e)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))
+    return eos_ids_of(config, generation, tokenizer)
 
 
 def hf_view(source: ModelSource, dtype: str = "float32") -> Path:

@@ -136,6 +136,19 @@ class ModuleWeights:
         return self.sd[name]
 
 
+def eos_ids_of(*sources) -> tuple[int, ...]:
+    """The EOS token ids named by configs, generation configs and tokenizers (objects or dicts;
+    None skipped), each an id or a list of ids, merged and sorted."""
+    ids: set[int] = set()
+    for src in sources:
+        e = src.get("eos_token_id") if isinstance(src, dict) else getattr(src, "eos_token_id", None)
+        if isinstance(e, int):
+            ids.add(e)
+        elif e:
+            ids.update(e)
+    return tuple(sorted(ids))
+
+
 @dataclass
 class Checkpoint:
     """What the engine is built from: weights by name and the model's transformers config."""
@@ -150,14 +163,8 @@ class Checkpoint:
         """A Checkpoint as it is, or one of a transformers model in memory."""
         if isinstance(model, Checkpoint):
             return model
-        ids: set[int] = set()
-        for src in (getattr(model, "generation_config", None), model.config):
-            e = getattr(src, "eos_token_id", None) if src is not None else None
-            if isinstance(e, int):
-                ids.add(e)
-            elif e:
-                ids.update(e)
-        return cls(ModuleWeights(model), model.config, tuple(sorted(ids)))
+        return cls(ModuleWeights(model), model.config,
+                   eos_ids_of(getattr(model, "generation_config", None), model.config))
 
 
 def save_safetensors_shards(tensors, folder: Path, shard_bytes: int = 2 << 30) -> None:

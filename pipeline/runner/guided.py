@@ -71,6 +71,14 @@ class GrammarBook:
             self._compiled[key] = compiled
         return compiled
 
+    def error(self, fmt: ResponseFormat) -> str | None:
+        """Why fmt does not compile, or None (compiling it into the cache)."""
+        try:
+            self.compile(fmt)
+        except GrammarError as e:
+            return str(e)
+        return None
+
     def matcher(self, fmt: ResponseFormat):
         return self.xgr.GrammarMatcher(self.compile(fmt))
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from ..shapes import ModelShape
+from ..shapes import ModelShape, rope_kind, rope_parameters
 from .attention import AttentionMetadata, paged_attention
 from .linear import Linear
 from .moe import DenseMLP, SparseMoE, silu_mul_reference
@@ -66,9 +66,9 @@ def rotary_tables(config, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
 
     mod = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
     cls = next(getattr(mod, n) for n in dir(mod) if n.endswith("RotaryEmbedding") and not n.startswith("_"))
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope = rope_parameters(config)
     split = positions
-    if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):
+    if rope_kind(rope) == "longrope":
         split = min(positions, rope.get("original_max_position_embeddings")
                     or getattr(config, "original_max_position_embeddings", positions))
     rotary = cls(config)
