@@ -14,7 +14,7 @@ from ._common import check, check_cache, check_same_device, pow2
 
 
 def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale,
-                           math_dtype=torch.float32, window: int = 0) -> torch.Tensor:
+                           math_dtype=torch.float32, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [num_seqs, heads, dim] -> [num_seqs, heads, dim], computed in math_dtype."""
     nb, bs, kvh, d = k_cache.shape
     out = torch.empty_like(q)
@@ -25,6 +25,8 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scal
         k = k_cache[blocks].reshape(-1, kvh, d)[:n].to(math_dtype).repeat_interleave(group, 1)  # [n, heads, d]
         v = v_cache[blocks].reshape(-1, kvh, d)[:n].to(math_dtype).repeat_interleave(group, 1)
         s = torch.einsum("hd,nhd->hn", q[i].to(math_dtype), k) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
         if window:
             s[:, : max(0, n - window)] = float("-inf")
         out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
@@ -32,11 +34,11 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scal
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, len_ptr, acc_ptr, m_ptr, l_ptr, scale,
+def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, len_ptr, acc_ptr, m_ptr, l_ptr, scale, softcap,
                          stride_qs, stride_qh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt,
                          stride_as, stride_ah, stride_ax, stride_ms, stride_mh,
                          GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, WINDOW: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                          QUANT: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -69,6 +71,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, len_ptr,
             k = k * tl.load(ks_ptr + s_idx)[:, None]
             v = v * tl.load(vs_ptr + s_idx)[:, None]
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_P, BLOCK_SIZE]
+        if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         kpos = b * BLOCK_SIZE + s_off
         valid = (kpos < ctx) & (kpos >= lo)
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -106,9 +110,11 @@ def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_as, stride_ah, 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, blocks_per_split: int = 16, window: int = 0,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 softcap: float = 0.0) -> torch.Tensor:
     """q [num_seqs, heads, dim]; block_tables [num_seqs, max_blocks]; context_lens [num_seqs] (>= 1);
-    window > 0: each query sees only its last `window` keys. An fp8 cache takes its fp32 scales
+    window > 0: each query sees only its last `window` keys; softcap > 0 caps the scaled scores at
+    softcap * tanh(s / softcap) (Gemma 2). An fp8 cache takes its fp32 scales
     [num_blocks, block_size, kv_heads]."""
     nb, bs, kvh, d = check_cache(k_cache, v_cache, k_scale, v_scale)
     quant = k_scale is not None
@@ -135,12 +141,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     l = torch.empty_like(m)
     ks, vs = (k_scale, v_scale) if quant else (k_cache, v_cache)  # unused pointers when not quantised
     _decode_split_kernel[(n, kvh, splits)](
-        q, k_cache, v_cache, ks, vs, block_tables, context_lens, acc, m, l, scale,
+        q, k_cache, v_cache, ks, vs, block_tables, context_lens, acc, m, l, scale, float(softcap or 1.0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0, block_tables.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         GROUP=group, GROUP_P=pow2(group), HEAD_DIM=d, BLOCK_SIZE=bs, BLOCKS_PER_SPLIT=blocks_per_split,
-        WINDOW=window, QUANT=quant)
+        WINDOW=window, SOFTCAP=bool(softcap), QUANT=quant)
     _decode_reduce_kernel[(n, heads)](
         acc, m, l, out, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         out.stride(0), out.stride(1), NUM_SPLITS=splits, SPLITS_P=pow2(splits), HEAD_DIM=d)

@@ -14,7 +14,7 @@ from ._common import check, check_cache, check_same_device
 
 
 def paged_prefill_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-                            math_dtype=torch.float32, window: int = 0) -> torch.Tensor:
+                            math_dtype=torch.float32, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [num_tokens, heads, dim], packed by cu_seqlens_q; context_lens include the new tokens."""
     nb, bs, kvh, d = k_cache.shape
     group = q.shape[1] // kvh
@@ -26,6 +26,8 @@ def paged_prefill_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         k = k_cache[blocks].reshape(-1, kvh, d)[:total].to(math_dtype).repeat_interleave(group, 1)
         v = v_cache[blocks].reshape(-1, kvh, d)[:total].to(math_dtype).repeat_interleave(group, 1)
         s = torch.einsum("qhd,khd->hqk", q[a:b].to(math_dtype), k) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
         qpos = torch.arange(total - n, total, device=q.device)[:, None]
         kpos = torch.arange(total, device=q.device)[None, :]
         s = s.masked_fill(kpos > qpos, float("-inf"))
@@ -36,11 +38,11 @@ def paged_prefill_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, len_ptr, out_ptr, scale,
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, len_ptr, out_ptr, scale, softcap,
                     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt,
                     stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    WINDOW: tl.constexpr, QUANT: tl.constexpr):
+                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, QUANT: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -75,6 +77,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, len_p
             k = k * tl.load(ks_ptr + s_idx)[:, None]
             v = v * tl.load(vs_ptr + s_idx)[:, None]
         s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_SIZE]
+        if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         kpos = b * BLOCK_SIZE + so
         visible = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < total)
         if WINDOW > 0:
@@ -95,10 +99,12 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, len_p
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
                   max_q_len: int | None = None, block_m: int = 16, window: int = 0,
-                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                  softcap: float = 0.0) -> torch.Tensor:
     """q [num_tokens, heads, dim] packed by cu_seqlens_q [num_seqs + 1]; context_lens [num_seqs]
     count cached plus new tokens; the new tokens' K/V must already be in the cache. An fp8 cache
-    takes its fp32 scales [num_blocks, block_size, kv_heads]."""
+    takes its fp32 scales [num_blocks, block_size, kv_heads]; softcap > 0 caps the scaled scores at
+    softcap * tanh(s / softcap) (Gemma 2)."""
     nb, bs, kvh, d = check_cache(k_cache, v_cache, k_scale, v_scale)
     quant = k_scale is not None
     check(q.dim() == 3 and q.shape[2] == d, f"q must be [num_tokens, heads, {d}], got {tuple(q.shape)}")
@@ -119,9 +125,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     grid = (n_seqs, q.shape[1], triton.cdiv(max_q_len, block_m))
     ks, vs = (k_scale, v_scale) if quant else (k_cache, v_cache)  # unused pointers when not quantised
     _prefill_kernel[grid](
-        q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, context_lens, out, scale,
+        q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, context_lens, out, scale, float(softcap or 1.0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0, block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=q.shape[1] // kvh, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_M=block_m,
-        WINDOW=window, QUANT=quant)
+        WINDOW=window, SOFTCAP=bool(softcap), QUANT=quant)
     return out

@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 from .config import EngineSpec, ModelSpec
-from .engine.kv_manager import KVCacheManager
+from .engine.kv_manager import HybridKVManager, KVCacheManager
 from .engine.request import Request, SamplingParams
 from .engine.scheduler import Scheduler, SchedulerConfig
-from .errors import ConfigError
 from .runner import build
 from .runner.model import CausalLM
 from .runner.model_runner import KVCache, ModelRunner, keep_freed_memory
@@ -73,15 +72,6 @@ class EngineStats:
     reloaded_blocks: int
 
 
-def sliding_window(config) -> int | None:
-    """The model's uniform sliding window (Mistral-style), or None for full attention."""
-    layers = getattr(config, "layer_types", None)
-    window = ModelShape.from_config(config).sliding_window
-    if window and layers and any(t != "sliding_attention" for t in layers):
-        raise ConfigError(f"model: mixed full/sliding attention layers ({config.model_type}) are not supported")
-    return window
-
-
 class Engine:
     """Continuous batching on a paged KV cache. Build it from a model spec or a loaded
     transformers model; feed it GenerationRequests; results stream out as they finish."""
@@ -103,40 +93,52 @@ class Engine:
         self.device = build.resolve_device(model.device)
         self.dtype = build.resolve_dtype(model.dtype, self.device)
         self.kv_dtype = build.resolve_kv_dtype(spec.kv_cache_dtype, self.dtype)
-        self.backend = backend = build.choose_backend(spec, self.device, self.kv_dtype)
+        self.backend = backend = build.choose_backend(spec, self.device, self.kv_dtype,
+                                                      ModelShape.from_config(checkpoint.config))
         if self.device.type == "cpu":
             keep_freed_memory()
         self.model = CausalLM(checkpoint, self.dtype, str(self.device), backend.linear_path, backend.fused_ops,
                               on_layer)
         shape: ModelShape = self.model.shape
         self.max_model_len = min(spec.max_model_len or shape.max_position, shape.max_position)
-        self.window = sliding_window(checkpoint.config)
+        # The sliding layers' window (every layer's in Mistral-style models), or None.
+        self.window = shape.sliding_window
         self.kv_layout = kv = build.size_kv_cache(spec, shape, self.kv_dtype, self.device, self.max_model_len,
                                                   max_seq_tokens)
         self.kv_cache = KVCache(shape.num_layers, kv.num_blocks, spec.block_size, shape.num_kv_heads,
-                                shape.head_dim, self.kv_dtype, self.device, kv.num_cpu_blocks)
+                                shape.head_dim, self.kv_dtype, self.device, kv.num_cpu_blocks, shape.layer_group,
+                                kv.group_blocks)
         salt = f"{model_identity}|{self.dtype}|{self.kv_dtype}".encode()
-        self.kv_manager = KVCacheManager(kv.num_blocks, spec.block_size, spec.prefix_caching, salt,
-                                         kv.num_cpu_blocks, self.window)
+        managers = [KVCacheManager(n, spec.block_size, spec.prefix_caching, salt, cpu, window)
+                    for (n, cpu), window in zip(kv.group_blocks, shape.kv_groups)]
+        self.kv_manager = managers[0] if len(managers) == 1 else HybridKVManager(managers)
         recompute_s, swap_s = build.preemption_costs(shape, kv.block_bytes, self.device)
         self.scheduler = Scheduler(SchedulerConfig(spec.max_num_seqs, spec.max_num_batched_tokens, self.max_model_len,
                                                    spec.preemption, recompute_s, swap_s), self.kv_manager)
         graphs = build.decode_graphs(spec, backend, self.device, self.model, self.kv_cache.layers, self.max_model_len,
                                      self.window)
         self.runner = ModelRunner(self.model, self.kv_cache, Sampler(spec.seed, fused_argmax=backend.fused_ops),
-                                  spec.decode_attention, backend.attention, self.window, graphs)
+                                  spec.decode_attention, backend.attention, graphs=graphs, windows=shape.kv_groups)
         self.eos_token_ids = tuple(sorted(set(checkpoint.eos_token_ids).union(eos_ids_of(tokenizer))))
         self.grammars = grammars
-        log.info("engine: %s %s, linear=%s, attention=%s%s, KV cache %d blocks x %d tokens = %.2f GiB (%d B/token), "
+        log.info("engine: %s %s, linear=%s, attention=%s%s, KV cache %s blocks x %d tokens = %.2f GiB (%d B/token), "
                  "CPU tier %d blocks = %.2f GiB", self.device, build.dtype_name(self.dtype), backend.linear_path,
                  backend.attention, " + fused layer ops" if backend.fused_ops else "",
-                 kv.num_blocks, spec.block_size, self.kv_cache.bytes / 2**30, kv.bytes_per_token,
+                 self._group_text(), spec.block_size, self.kv_cache.bytes / 2**30, kv.bytes_per_token,
                  kv.num_cpu_blocks, self.kv_cache.cpu_bytes / 2**30)
         self.step_count = 0
 
     @property
     def num_blocks(self) -> int:
         return self.kv_layout.num_blocks
+
+    def _group_text(self) -> str:
+        """The KV blocks, per group with hybrid KV: "4096 (full, 4 layers) + 1200 (window 512, 22 layers)"."""
+        shape = self.model.shape
+        if len(shape.kv_groups) == 1:
+            return str(self.kv_layout.num_blocks)
+        return " + ".join(f"{n} ({'window ' + str(w) if w else 'full'}, {shape.group_layers(g)} layers)"
+                          for g, ((n, _), w) in enumerate(zip(self.kv_layout.group_blocks, shape.kv_groups)))
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -265,13 +267,13 @@ class Engine:
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
         t = self.kv_manager.tier
-        cpu = self.kv_manager.cpu_pool
+        cpu_used, cpu_blocks, _ = self.kv_manager.cpu_blocks()
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), kv_usage=self.kv_manager.usage(),
             prefix_hit_rate=self.kv_manager.prefix_hit_rate(), prefill_tokens=s.prefill_tokens,
             decode_tokens=s.decode_tokens, generated_tokens=s.generated_tokens, preemptions=s.num_preemptions, swap_preemptions=s.num_swap_preemptions,
-            recompute_preemptions=s.num_recompute_preemptions, cpu_blocks_used=cpu.num_used_blocks if cpu else 0,
-            cpu_blocks=cpu.num_blocks if cpu else 0, swapped_out_blocks=t.swapped_out_blocks,
+            recompute_preemptions=s.num_recompute_preemptions, cpu_blocks_used=cpu_used,
+            cpu_blocks=cpu_blocks, swapped_out_blocks=t.swapped_out_blocks,
             swapped_in_blocks=t.swapped_in_blocks, spilled_blocks=t.spilled_blocks, reloaded_blocks=t.reloaded_blocks)
 
     def counters(self) -> dict:
@@ -288,6 +290,8 @@ class Engine:
             "kv_cache_bytes": self.kv_cache.bytes, "kv_bytes_per_token": kv.bytes_per_token,
             "kv_cache_dtype": build.dtype_name(self.kv_dtype),
             "max_model_len": self.max_model_len, "sliding_window": self.window, "profile": self.config.profile,
+            "kv_groups": [{"window": w, "layers": self.model.shape.group_layers(g), "blocks": n}
+                          for g, ((n, _), w) in enumerate(zip(kv.group_blocks, self.model.shape.kv_groups))],
             "max_num_seqs": self.config.max_num_seqs, "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "steps": s.num_steps, "preemptions": st.preemptions,
             "prefill_tokens": st.prefill_tokens, "decode_tokens": st.decode_tokens, "peak_running": s.peak_running,
@@ -295,7 +299,7 @@ class Engine:
             "prefix_cache_evictions": self.kv_manager.num_evictions,
             "preemptions_swap": st.swap_preemptions, "preemptions_recompute": st.recompute_preemptions,
             "cpu_kv_blocks": kv.num_cpu_blocks, "cpu_kv_bytes": self.kv_cache.cpu_bytes,
-            "peak_cpu_kv_blocks": self.kv_manager.cpu_pool.peak_used if self.kv_manager.cpu_pool else 0,
+            "peak_cpu_kv_blocks": self.kv_manager.cpu_blocks()[2],
             "swapped_out_blocks": st.swapped_out_blocks, "swapped_in_blocks": st.swapped_in_blocks,
             "swapped_out_bytes": st.swapped_out_blocks * block_bytes,
             "swapped_in_bytes": st.swapped_in_blocks * block_bytes,

@@ -42,8 +42,11 @@ def plan(shape: ModelShape, dtype: str, kv_budget_bytes: int, seq_tokens: int, b
     kv_dtype = kv_dtype or dtype
     per_tok = kv_bytes_per_token(shape, kv_dtype)
     window = shape.sliding_window
-    kept = min(seq_tokens, window) if window else seq_tokens
-    per_seq = cdiv(kept, block_size) * block_size * per_tok
+    # Each layer keeps the whole sequence, or its window's blocks (Mistral: every layer; Gemma:
+    # the sliding ones, while the full-attention layers keep everything).
+    sliding = sum(1 for w in shape.layer_windows if w)
+    kept = [min(seq_tokens, w) if w else seq_tokens for w in shape.layer_windows]
+    per_seq = sum(cdiv(k, block_size) * block_size for k in kept) * (per_tok // shape.num_layers)
     fits = kv_budget_bytes // per_seq if per_seq else 0
     suggest_seqs = max(1, min(256, fits))
     suggest_tokens = max(2048, min(16384, (avg_prompt or seq_tokens // 2) + suggest_seqs))
@@ -56,7 +59,8 @@ def plan(shape: ModelShape, dtype: str, kv_budget_bytes: int, seq_tokens: int, b
            "seq_tokens": seq_tokens, "kv_bytes_per_seq": per_seq, "kv_gib_per_seq": round(per_seq / 2**30, 2),
            "kv_budget_gib": round(kv_budget_bytes / 2**30, 2), "kv_budget_source": budget_source,
            "seqs_that_fit": fits, "suggested_max_num_seqs": suggest_seqs if fits else None,
-           "suggested_max_num_batched_tokens": suggest_tokens, "sliding_window": window, "warnings": []}
+           "suggested_max_num_batched_tokens": suggest_tokens, "sliding_window": window,
+           "layers_full": shape.num_layers - sliding, "layers_sliding": sliding, "warnings": []}
     if window and seq_tokens > window:
         out["warnings"].append(f"sliding window {window}: KV per sequence is bounded by the window")
     if fits == 0:
@@ -122,6 +126,9 @@ def format_plan(p: dict) -> str:
              f"weights: {p['weight_gb']} GB",
              f"KV per token ({p['kv_dtype']}): {p['kv_kib_per_token']} KiB; per sequence of {p['seq_tokens']} tokens: "
              f"{p['kv_gib_per_seq']} GiB"]
+    if p.get("layers_sliding"):
+        lines.append(f"layers: {p['layers_full']} full attention, {p['layers_sliding']} sliding (window "
+                     f"{p['sliding_window']}, keeping only the window's KV)")
     if p.get("rows_sampled") is not None:
         lines.append(f"sequence length: the longest prompt + max_tokens of the first {p['rows_sampled']} rows")
     if "batch" in p:

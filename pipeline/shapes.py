@@ -40,8 +40,22 @@ class ModelShape:
     tie_word_embeddings: bool
     # Bias on the q/k/v projections (Qwen2, or attention_bias: true).
     qkv_bias: bool = False
-    # The uniform sliding window (Mistral-style), or None.
+    # The sliding window of the model's sliding layers (every layer in Mistral-style models, some
+    # in Gemma 2/3), or None.
     sliding_window: int | None = None
+    # Per layer: its attention window (sliding_window) or None (full attention). Layers with the
+    # same window form one KV group with a block table of its own (the hybrid layout).
+    layer_windows: tuple[int | None, ...] = ()
+    # Gemma 2/3: RMSNorm scales by (1 + w) in fp32; norms after attention and after the MLP as
+    # well as before them; the embedding is scaled by sqrt(hidden); queries scale by
+    # query_pre_attn_scalar ** -0.5; GELU-tanh gating; tanh soft-capping of attention scores
+    # (Gemma 2) and of the final logits (cap * tanh(x / cap)); 0 = no cap.
+    gemma: bool = False
+    embed_scale: float = 0.0
+    attn_scale: float = 0.0
+    hidden_act: str = "silu"
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
     # Mixture-of-experts (Mixtral, Qwen2-MoE, Qwen3-MoE): experts per sparse layer, experts each
     # token is routed to, one expert's intermediate size, the shared expert's (Qwen2-MoE; 0 = none),
     # whether the top-k routing weights are renormalised to sum to 1, and the layers that are sparse.
@@ -64,9 +78,19 @@ class ModelShape:
 
         heads = need("num_attention_heads")
         hidden = need("hidden_size")
-        window = _get(cfg, "sliding_window") if _get(cfg, "use_sliding_window", True) else None
         model_type = _get(cfg, "model_type", "llama")
         layers = need("num_hidden_layers")
+        windows = layer_windows(cfg, layers)
+        window = next((w for w in windows if w), None)
+        head_dim = _get(cfg, "head_dim") or hidden // heads
+        gemma = model_type in GEMMA_TYPES
+        extra: dict[str, Any] = {}
+        if gemma:
+            extra = dict(gemma=True, embed_scale=hidden ** 0.5,
+                         attn_scale=float(_get(cfg, "query_pre_attn_scalar") or head_dim) ** -0.5,
+                         hidden_act=_get(cfg, "hidden_activation") or _get(cfg, "hidden_act") or "gelu_pytorch_tanh",
+                         attn_softcap=float(_get(cfg, "attn_logit_softcapping") or 0.0),
+                         final_softcap=float(_get(cfg, "final_logit_softcapping") or 0.0))
         moe: dict[str, Any] = {}
         if model_type == "mixtral":
             moe = dict(num_experts=need("num_local_experts"), experts_per_token=need("num_experts_per_tok"),
@@ -86,7 +110,7 @@ class ModelShape:
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=_get(cfg, "num_key_value_heads") or heads,
-            head_dim=_get(cfg, "head_dim") or hidden // heads,
+            head_dim=head_dim,
             intermediate_size=need("intermediate_size"),
             vocab_size=need("vocab_size"),
             max_position=_get(cfg, "max_position_embeddings", 0) or 0,
@@ -94,9 +118,32 @@ class ModelShape:
             tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
             qkv_bias=(model_type == "qwen2" or (model_type == "qwen2_moe" and bool(_get(cfg, "qkv_bias", True)))
                       or bool(_get(cfg, "attention_bias", False))),
-            sliding_window=int(window) if window else None,
+            sliding_window=window,
+            layer_windows=windows,
             **moe,
+            **extra,
         )
+
+    @property
+    def kv_groups(self) -> tuple[int | None, ...]:
+        """The distinct attention windows of the layers, full attention (None) first: one KV
+        group (pool and block table) each."""
+        return tuple(sorted(set(self.layer_windows), key=lambda w: (w is not None, w or 0)))
+
+    @property
+    def layer_group(self) -> tuple[int, ...]:
+        """Each layer's index into kv_groups."""
+        groups = self.kv_groups
+        return tuple(groups.index(w) for w in self.layer_windows)
+
+    def group_layers(self, group: int) -> int:
+        """How many layers belong to KV group `group`."""
+        return self.layer_group.count(group)
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor applied to q.k scores: head_dim ** -0.5, or Gemma's query_pre_attn_scalar's."""
+        return self.attn_scale or self.head_dim ** -0.5
 
     @property
     def q_size(self) -> int:
@@ -128,12 +175,44 @@ class ModelShape:
         """Every parameter: the layers' matrices (every expert), biases and norms, the embedding
         and lm_head."""
         h = self.hidden_size
-        small = 2 * h + (self.q_size + 2 * self.kv_size if self.qkv_bias else 0)
-        if self.model_type in ("qwen3", "qwen3_moe"):
+        small = (4 if self.gemma else 2) * h + (self.q_size + 2 * self.kv_size if self.qkv_bias else 0)
+        if self.model_type in QK_NORM_TYPES:
             small += 2 * self.head_dim  # q/k norms
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return (self._attention_params() + self._mlp_params(self.num_experts) + self.num_layers * small
                 + embeddings + h)
+
+
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+# Families with per-head RMSNorms on q and k before the rotary embedding.
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
+# Layer kinds of a config's `layer_types` and whether each is windowed.
+LAYER_KINDS = {"full_attention": False, "sliding_attention": True}
+
+
+def layer_windows(cfg: Any, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's attention window from `layer_types` (Gemma 2/3, Qwen2's max_window_layers),
+    else the uniform `sliding_window` (Mistral; Qwen2 only with use_sliding_window). Raises
+    ValueError naming a layer kind other than full or sliding attention."""
+    window = _get(cfg, "sliding_window")
+    kinds = _get(cfg, "layer_types")
+    model_type = _get(cfg, "model_type")
+    if not kinds and model_type in GEMMA_TYPES and window:
+        # An older config.json without layer_types: Gemma 2 alternates (sliding first), Gemma 3
+        # has one full layer in every sliding_window_pattern (transformers' derivation).
+        every = 2 if model_type == "gemma2" else (_get(cfg, "sliding_window_pattern") or 6)
+        kinds = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)]
+    if kinds:
+        if len(kinds) != num_layers:
+            raise ValueError(f"layer_types lists {len(kinds)} layers for num_hidden_layers {num_layers}")
+        for i, kind in enumerate(kinds):
+            if kind not in LAYER_KINDS:
+                raise ValueError(f"layer {i} is of kind {kind!r} (supported: {', '.join(LAYER_KINDS)})")
+            if LAYER_KINDS[kind] and not window:
+                raise ValueError(f"layer {i} is {kind} but the config has no sliding_window")
+        return tuple(int(window) if LAYER_KINDS[k] else None for k in kinds)
+    uniform = int(window) if window and _get(cfg, "use_sliding_window", True) else None
+    return (uniform,) * num_layers
 
 
 def rope_parameters(cfg: Any) -> Any:

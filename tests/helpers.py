@@ -33,9 +33,30 @@ def tiny_hf_model(family: str = "llama", vocab_size: int = 512, seed: int = 0, *
     elif family == "qwen3_moe":
         cfg = AutoConfig.for_model("qwen3_moe", head_dim=16, num_experts=8, num_experts_per_tok=3,
                                    moe_intermediate_size=32, norm_topk_prob=True, **common)
+    elif family in ("gemma2", "gemma3_text"):
+        # Mixed layers (Gemma 2 alternates sliding and full; Gemma 3 has one full in 3 here), a
+        # window shorter than most prompts, query_pre_attn_scalar != head_dim, and for Gemma 2
+        # soft caps low enough to change attention.
+        gemma = dict(head_dim=16, sliding_window=24, query_pre_attn_scalar=24, num_hidden_layers=4)
+        if family == "gemma2":
+            gemma.update(attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
+        else:
+            gemma.update(num_hidden_layers=6, sliding_window_pattern=3,
+                         layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+        gemma.update(overrides)
+        cfg = AutoConfig.for_model(family, **{**common, **gemma})
     else:
         raise ValueError(family)
-    return AutoModelForCausalLM.from_config(cfg).eval()
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    if family.startswith("gemma"):
+        # transformers starts Gemma's (1 + w) norm weights at w = 0: make them matter.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.3)
+    return model
 
 
 def write_prompts(path, n=20, id_prefix="r", extra=None, prompts=None):

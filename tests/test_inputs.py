@@ -145,3 +145,36 @@ def test_a_template_that_changes_content_is_rendered_row_by_row(smol_tokenizer):
     f = PromptFrame(render_with(branch), None)
     assert f.frame is not None
     assert f.texts({0: "the secret is out"}) is None and f.frame is None, "the sample disagreed: framing is off"
+
+
+# Gemma 2's template: no system role (Gemma 3's folds it into the first user turn itself).
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' else "
+    "message['role'] %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
+
+
+def test_a_template_without_a_system_role_gets_the_system_prompt_in_the_first_user_turn(tmp_path, smol_tokenizer):
+    """The job's system prompt and a row's own system message both join the first user turn as
+    "system\\n\\nuser", where the template refuses the system role; no row becomes an error."""
+    import copy
+
+    tok = copy.deepcopy(smol_tokenizer)
+    tok.chat_template = GEMMA2_TEMPLATE
+    q = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["Name a colour.", "Name a fruit."]}), q)
+    rows, errors = prepare_all(_spec(path=str(q), id_column="id", system_prompt="Be brief."), tok, 8192)
+    assert not errors
+    assert tok.decode(list(rows[0].token_ids)).endswith(
+        "<start_of_turn>user\nBe brief.\n\nName a colour.<end_of_turn>\n<start_of_turn>model\n")
+    m = tmp_path / "m.parquet"
+    msgs = [[{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hello"},
+             {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Bye"}],
+            [{"role": "user", "content": "Plain"}]]
+    pq.write_table(pa.table({"id": ["a", "b"], "msgs": msgs}), m)
+    rows, errors = prepare_all(_spec(path=str(m), messages_column="msgs", id_column="id"), tok, 8192)
+    assert not errors
+    text = tok.decode(list(rows[0].token_ids))
+    assert "<start_of_turn>user\nBe terse.\n\nHello<end_of_turn>\n<start_of_turn>model\nHi" in text
+    assert tok.decode(list(rows[1].token_ids)).endswith("<start_of_turn>user\nPlain<end_of_turn>\n<start_of_turn>model\n")

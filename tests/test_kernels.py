@@ -238,3 +238,33 @@ def test_fp8_launchers_want_scales_of_the_cache_shape():
         paged_decode(q, kc, vc, tables, lens, 0.1)
     with pytest.raises(ValueError, match="scales must be"):
         paged_decode(q, kc, vc, tables, lens, 0.1, k_scale=ks[:, :8], v_scale=vs[:, :8])
+
+
+@pytest.mark.parametrize("window", [0, 20], ids=["full", "window20"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[2]], ids=shape_id)
+def test_decode_and_prefill_soft_cap_their_scores(shape, dtype, window):
+    """Gemma 2's softcap * tanh(score / softcap) inside both kernels: a cap well inside the
+    scores' range, so a kernel that skipped it would be far outside the tolerance."""
+    kvh, ratio, d, bs = shape
+    cap, scale = 1.5, d ** -0.5
+    lengths = ragged_lengths(bs)
+    nblocks = sum(cdiv(n, bs) for n in lengths) + 4
+    kc, vc = make_cache(nblocks, bs, kvh, d, dtype)
+    tables = block_tables_for(lengths, bs, nblocks)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    q = rand(len(lengths), kvh * ratio, d, dtype=dtype, seed=SEED) * 3
+    out = paged_decode(q, kc, vc, tables, lens, scale, blocks_per_split=2, window=window, softcap=cap)
+    ref32 = paged_decode_reference(q.float(), kc.float(), vc.float(), tables, lens, scale, window=window, softcap=cap)
+    assert_flash_tolerance(out, ref32, paged_decode_reference(q, kc, vc, tables, lens, scale, math_dtype=dtype,
+                                                              window=window, softcap=cap))
+    uncapped = paged_decode_reference(q.float(), kc.float(), vc.float(), tables, lens, scale, window=window)
+    assert (uncapped - ref32).abs().max() > 0.05  # the cap matters at these scores
+
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    qp = rand(int(cu[-1]), kvh * ratio, d, dtype=dtype, seed=SEED + 1) * 3
+    out = paged_prefill(qp, kc, vc, tables, cu, lens, scale, window=window, softcap=cap)
+    ref32 = paged_prefill_reference(qp.float(), kc.float(), vc.float(), tables, cu, lens, scale, window=window,
+                                    softcap=cap)
+    assert_flash_tolerance(out, ref32, paged_prefill_reference(qp, kc, vc, tables, cu, lens, scale, math_dtype=dtype,
+                                                               window=window, softcap=cap))

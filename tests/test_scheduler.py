@@ -238,3 +238,106 @@ def test_a_rejected_request_rejects_its_forks():
     out = step(s)
     assert sorted(out.rejected) == ["p\x000", "p\x001", "p\x002"]
     assert all(s.requests[f"p\x00{i}"].error for i in range(3))
+
+
+def hybrid(full_blocks=32, sliding_blocks=32, window=8, block_size=4, cpu_blocks=0):
+    from batchgen.engine.kv_manager import HybridKVManager
+
+    return HybridKVManager([KVCacheManager(full_blocks, block_size, True, num_cpu_blocks=cpu_blocks),
+                            KVCacheManager(sliding_blocks, block_size, True, num_cpu_blocks=cpu_blocks,
+                                           window=window)])
+
+
+def test_hybrid_prefix_hit_needs_only_the_windows_blocks_in_the_sliding_group():
+    """A 33-token prompt done and freed; then the sliding group's early blocks are evicted (the
+    full group keeps all). The same prompt again hits all 8 full blocks: the sliding group holds
+    the two its 8-token window still sees (blocks 6, 7), and the rest of its table is empty."""
+    kv = hybrid(full_blocks=32, sliding_blocks=12)
+    a = req("a", 33)
+    assert kv.allocate_slots(a, 33) is not None
+    a.num_computed_tokens = 33
+    kv.cache_blocks(a)
+    kv.free_out_of_window(a)
+    full, sliding = kv.groups
+    hashes = sliding._block_hashes(a, 8)
+    kv.forget(a)
+    sliding.pool.allocate(9)  # takes every uncached block, then evicts the oldest cached ones
+    assert [sliding.pool.lookup(h) is not None for h in hashes] == [False] * 6 + [True] * 2
+    b = req("b", 33)
+    hit, cached = kv.get_computed_blocks(b)
+    assert cached == 32
+    assert [x is None for x in hit.hits[1].device] == [True] * 6 + [False] * 2
+    assert all(x is not None for x in hit.hits[0].device)
+    assert kv.allocate_slots(b, 1, hit) is not None
+    assert kv.group_block_ids("b")[0][:6] == [0] * 6  # freed slots read block 0, masked by the window
+
+
+def test_hybrid_hit_is_cut_to_what_every_group_holds():
+    """The sliding group lost even the window's blocks: no group may claim a hit the other
+    cannot serve, so the hit shrinks to where the sliding group's window is whole."""
+    kv = hybrid(full_blocks=32, sliding_blocks=12)
+    a = req("a", 33)
+    kv.allocate_slots(a, 33)
+    a.num_computed_tokens = 33
+    kv.cache_blocks(a)
+    full, sliding = kv.groups
+    hashes = sliding._block_hashes(a, 8)
+    kv.forget(a)
+    sliding.pool.allocate(3 + 2)  # the 3 never-used blocks, then evicts blocks 8, 7 (freed last-first)
+    present = [sliding.pool.lookup(h) is not None for h in hashes]
+    k = max(i for i in range(1, 9) if all(present[max(0, (i * 4 - 8 + 1) // 4): i]))
+    hit, cached = kv.get_computed_blocks(req("b", 33))
+    assert cached == k * 4 < 32 and all(h.num_blocks == k for h in hit.hits)
+
+
+def test_hybrid_allocation_is_all_or_nothing():
+    """The sliding group has no room: allocate_slots refuses and the full group is untouched."""
+    kv = hybrid(full_blocks=32, sliding_blocks=3)
+    assert kv.allocate_slots(req("a", 16), 16) is None
+    assert kv.num_used_blocks == 0
+    assert kv.allocate_slots(req("b", 12), 12) is not None
+    assert [g.num_used_blocks for g in kv.groups] == [3, 3]
+
+
+def test_swap_moves_only_the_live_blocks_of_a_windowed_table():
+    """A sliding table whose first blocks left the window swaps out its live blocks only and
+    comes back with the same leading holes."""
+    kv = KVCacheManager(16, 4, False, num_cpu_blocks=16, window=8)
+    a = req("a", 30, max_tokens=2)
+    kv.allocate_slots(a, 30)
+    a.num_computed_tokens = 30
+    kv.free_out_of_window(a)
+    before = kv.block_ids("a")
+    dead = sum(1 for b in kv._blocks["a"] if b is None)
+    assert dead == 5 and kv.can_swap_out(a)
+    kv.swap_out(a)
+    out, _, _ = kv.take_transfers()
+    assert len(out) == len(before) - dead and kv.num_used_blocks == 0
+    assert kv.allocate_slots(a, 1) is not None
+    _, into, _ = kv.take_transfers()
+    assert len(into) == len(before) - dead
+    assert [b is None for b in kv._blocks["a"]][:dead] == [True] * dead and len(kv._blocks["a"]) == 8
+    kv.end_step()
+    kv.forget(a)
+    kv.check_all_free()
+
+
+def test_window_hit_reloads_the_windows_blocks_from_the_cpu_tier():
+    """Every block of a finished 33-token prompt is evicted from the device and spilled to the
+    CPU tier: the same prompt again hits 8 blocks, reloading only the two its window sees."""
+    kv = KVCacheManager(12, 4, True, num_cpu_blocks=16, window=8)
+    a = req("a", 33)
+    kv.allocate_slots(a, 33)
+    a.num_computed_tokens = 33
+    kv.cache_blocks(a)
+    kv.forget(a)
+    taken = kv.pool.allocate(12)  # evicts (and spills) all 8 cached full blocks
+    spilled, _, _ = kv.take_transfers()
+    assert len(spilled) == 8
+    kv.pool.free(taken)
+    b = req("b", 33)
+    hit, cached = kv.get_computed_blocks(b)
+    assert cached == 32 and hit.device == [None] * 6 and len(hit.cpu) == 2
+    assert kv.allocate_slots(b, 1, hit) is not None
+    _, reloaded, _ = kv.take_transfers()
+    assert [src for src, _ in reloaded] == [c.block_id for c in hit.cpu] and kv.tier.reloaded_blocks == 2

@@ -3,6 +3,11 @@
 Two tiers: the device pool, and an optional CPU pool that holds swapped-out requests' blocks
 and prefix blocks spilled when the device evicts them. Moving data is the runner's job; this
 class only decides, and hands out transfer lists (device->CPU, then CPU->device) per step.
+
+A model whose layers mix full and sliding-window attention (Gemma 2/3) gets a HybridKVManager:
+one KVCacheManager per attention kind, each with its own pool and block table per request, as
+vLLM v1's hybrid allocator keeps one table per KV-cache group. The sliding kind frees the blocks
+that left its window; the full kind keeps everything.
 """
 from __future__ import annotations
 
@@ -51,6 +56,8 @@ class KVCacheManager:
         self._blocks: dict[str, list[Block | None]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._swapped: dict[str, list[Block]] = {}
+        # Per swapped request: the leading slots of its table that had left the window (None).
+        self._swapped_dead: dict[str, int] = {}
         # Per request: its reserved run of blocks [start, end) for growth (see BlockPool).
         self._runs: dict[str, tuple[int, int]] = {}
         # This step's copies, (device block, CPU block), (CPU block, device block) and
@@ -67,6 +74,20 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    def group_block_ids(self, request_id: str) -> list[list[int]]:
+        """The block tables of KV groups after the first: none with one group."""
+        return []
+
+    def shortfall(self, num_tokens: int, chunk_tokens: int) -> tuple[int, int] | None:
+        """(blocks needed, blocks the pool has) when one sequence of num_tokens could never fit."""
+        need = self.peak_blocks(num_tokens, chunk_tokens)
+        return (need, self.num_blocks) if need > self.num_blocks else None
+
+    def cpu_blocks(self) -> tuple[int, int, int]:
+        """The CPU tier's (used, total, peak used) blocks."""
+        cpu = self.cpu_pool
+        return (cpu.num_used_blocks, cpu.num_blocks, cpu.peak_used) if cpu else (0, 0, 0)
 
     @property
     def num_used_blocks(self) -> int:
@@ -122,11 +143,26 @@ class KVCacheManager:
     def get_computed_blocks(self, req: Request) -> tuple[PrefixHit, int]:
         """Longest cached prefix of the request (device blocks, then CPU-tier blocks) and its
         length in tokens. The last token is always left to compute, since its logits are needed."""
+        hit = self.find_hit(req)
+        self.count_hit(req, hit.num_blocks)
+        return hit, hit.num_blocks * self.block_size
+
+    def count_hit(self, req: Request, num_blocks: int) -> None:
+        if self.pool.enable_caching:
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += num_blocks * self.block_size
+
+    def find_hit(self, req: Request, limit: int | None = None) -> PrefixHit:
+        """The longest cached prefix of at most `limit` blocks: contiguous from the first block
+        (device, then the CPU tier); with a window, see _window_hit."""
         hit = PrefixHit()
         if not self.pool.enable_caching:
-            return hit, 0
+            return hit
         num_full = (req.num_tokens - 1) // self.block_size
-        for h in self._block_hashes(req, num_full):
+        hashes = self._block_hashes(req, num_full if limit is None else min(limit, num_full))
+        if self.window:
+            return self._window_hit(hashes)
+        for h in hashes:
             block = self.pool.lookup(h) if not hit.cpu else None
             if block is not None:
                 hit.device.append(block)
@@ -135,30 +171,52 @@ class KVCacheManager:
             if cpu_block is None:
                 break
             hit.cpu.append(cpu_block)
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += hit.num_blocks * self.block_size
-        return hit, hit.num_blocks * self.block_size
+        return hit
+
+    def _window_hit(self, hashes: list[bytes]) -> PrefixHit:
+        """Sliding window: a hit of k blocks needs only the blocks the next query (position
+        k * block_size) can see, [(k * block_size - window + 1) // block_size, k), on the device
+        or, after the device's, in the CPU tier; the chain hash of block k - 1 already vouches for
+        every token before it. The blocks before that window are None in the hit (never touched),
+        as in a running table."""
+        bs, n = self.block_size, len(hashes)
+        dev = [self.pool.lookup(h) for h in hashes]
+        cpu = [self.cpu_pool.lookup(h) for h in hashes] if self.cpu_pool is not None else [None] * n
+        # next_miss[j]: the first index >= j not on the device; cpu_run[j]: CPU-tier blocks in a
+        # row ending at j.
+        next_miss = [n] * (n + 1)
+        for j in range(n - 1, -1, -1):
+            next_miss[j] = next_miss[j + 1] if dev[j] is not None else j
+        cpu_run, run = [], 0
+        for b in cpu:
+            run = run + 1 if b is not None else 0
+            cpu_run.append(run)
+        for k in range(n, 0, -1):
+            lo = max(0, (k * bs - self.window + 1) // bs)
+            split = min(next_miss[lo], k)  # device blocks [lo, split), then the CPU tier's [split, k)
+            if split == k or cpu_run[k - 1] >= k - split:
+                return PrefixHit(device=[None] * lo + dev[lo:split], cpu=cpu[split:k])
+        return PrefixHit()
 
     def allocate_slots(self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> list[int] | None:
         """Make room for num_new_tokens more tokens of req (after its prefix hit, or after its
         swapped-out blocks come back). Returns the block table, or None (changing nothing)
         when the device pool cannot supply the blocks."""
         hit = hit or PrefixHit()
+        if not self.has_room(req, num_new_tokens, hit):
+            return None
         swapped = self._swapped.get(req.request_id, [])
         held = self._blocks.get(req.request_id, [])
         first = not held  # (held may be the table itself, which grows below)
-        num_computed = req.num_computed_tokens + hit.num_blocks * self.block_size
-        need = self.blocks_needed(num_computed + num_new_tokens) - len(held) - len(hit.device)
-        # Cached blocks taken from the free queue leave it, so they count against free space.
-        revived = sum(1 for b in hit.device if b.ref_cnt == 0)
-        if max(need, 0) + revived > self.pool.num_free_blocks:
-            return None
+        need = self._need(req, num_new_tokens, hit)
         # Pin the CPU sources first, so that a spill made by this allocation cannot reuse them.
         if hit.cpu:
             self.cpu_pool.touch(hit.cpu)
             self._cpu_release.extend(hit.cpu)
-        self.pool.touch(hit.device)
+        self.pool.touch([b for b in hit.device if b is not None])
         blocks = self._blocks.setdefault(req.request_id, [])
+        # A swapped-in table starts with the slots that had left the window before it went out.
+        blocks.extend([None] * self._swapped_dead.get(req.request_id, 0) if swapped else ())
         blocks.extend(hit.device)
         new = self._allocate_new(req, blocks, need, first) if need > 0 else []
         blocks.extend(new)
@@ -168,11 +226,27 @@ class KVCacheManager:
         if swapped:
             self.tier.swapped_in_blocks += len(swapped)
             self._cpu_release.extend(self._swapped.pop(req.request_id))
+            self._swapped_dead.pop(req.request_id, None)
         elif hit.cpu:
             self.tier.reloaded_blocks += len(hit.cpu)
             for src, dst in zip(hit.cpu, new):
                 self.pool.cache(dst, src.block_hash)
         return self.block_ids(req.request_id)
+
+    def _need(self, req: Request, num_new_tokens: int, hit: PrefixHit) -> int:
+        """New device blocks allocate_slots takes for num_new_tokens more tokens after the hit."""
+        held = len(self._blocks.get(req.request_id, ()))
+        if req.request_id in self._swapped:
+            held += self._swapped_dead.get(req.request_id, 0)
+        num_computed = req.num_computed_tokens + hit.num_blocks * self.block_size
+        return self.blocks_needed(num_computed + num_new_tokens) - held - len(hit.device)
+
+    def has_room(self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Whether allocate_slots(req, num_new_tokens, hit) would succeed now."""
+        hit = hit or PrefixHit()
+        # Cached blocks taken from the free queue leave it, so they count against free space.
+        revived = sum(1 for b in hit.device if b is not None and b.ref_cnt == 0)
+        return max(self._need(req, num_new_tokens, hit), 0) + revived <= self.pool.num_free_blocks
 
     def _allocate_new(self, req: Request, blocks: list[Block | None], need: int, first: bool) -> list[Block]:
         """need more blocks for req, after `blocks` (its table so far), at consecutive addresses
@@ -236,12 +310,18 @@ class KVCacheManager:
 
     def can_swap_out(self, req: Request) -> bool:
         blocks = self._blocks.get(req.request_id, ())
-        # A sliding-window table has holes; such requests recompute instead.
-        return (self.cpu_pool is not None and None not in blocks and len(blocks) <= self.cpu_pool.num_free_blocks)
+        live = sum(1 for b in blocks if b is not None)
+        return self.cpu_pool is not None and live <= self.cpu_pool.num_free_blocks
 
     def swap_out(self, req: Request) -> None:
-        """Copy the request's blocks to the CPU tier and free them on the device."""
+        """Copy the request's blocks to the CPU tier and free them on the device. A sliding
+        window's table holds None for the slots that left the window (always a leading run):
+        only the live blocks move, and the run's length is kept for the swap-in."""
         blocks = self._blocks.pop(req.request_id, [])
+        dead = next((i for i, b in enumerate(blocks) if b is not None), len(blocks))
+        blocks = blocks[dead:]
+        if dead:
+            self._swapped_dead[req.request_id] = dead
         cpu_blocks = self.cpu_pool.allocate(len(blocks))
         self._to_cpu.extend((d.block_id, c.block_id) for d, c in zip(blocks, cpu_blocks))
         self._swapped[req.request_id] = cpu_blocks
@@ -260,12 +340,12 @@ class KVCacheManager:
         """Give child the KV of parent's computed tokens: the full blocks shared (a reference
         each), the partly filled last block copied into a new one (a device copy queued for the
         next step, before anyone writes to it). False, changing nothing, when no block is free."""
+        if not self.can_fork(parent):
+            return False
         blocks = self._blocks.get(parent.request_id, [])
         n = parent.num_computed_tokens
         full = n // self.block_size
         partial = n % self.block_size != 0
-        if partial and self.pool.num_free_blocks < 1:
-            return False
         shared = [b for b in blocks[:full] if b is not None]
         self.pool.touch(shared)
         table = list(blocks[:full])
@@ -279,6 +359,10 @@ class KVCacheManager:
         self.prefix_hits += n
         return True
 
+    def can_fork(self, parent: Request) -> bool:
+        """Whether fork(parent, ...) finds the block its copy of a partial last block needs."""
+        return parent.num_computed_tokens % self.block_size == 0 or self.pool.num_free_blocks >= 1
+
     def end_step(self) -> None:
         if self._cpu_release:
             self.cpu_pool.free(self._cpu_release)
@@ -291,6 +375,7 @@ class KVCacheManager:
         self.pool.free([b for b in reversed(blocks) if b is not None])
         self._release_run(req)
         swapped = self._swapped.pop(req.request_id, None)
+        self._swapped_dead.pop(req.request_id, None)
         if swapped:
             self.cpu_pool.free(swapped)
 
@@ -306,3 +391,153 @@ class KVCacheManager:
         self.pool.check_all_free()
         if self.cpu_pool is not None:
             self.cpu_pool.check_all_free()
+
+
+@dataclass
+class HybridHit:
+    """One PrefixHit per KV group, all of the same length in blocks."""
+
+    hits: list[PrefixHit]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.hits[0].num_blocks
+
+
+class HybridKVManager:
+    """Layers of several attention kinds (full and sliding window): one KVCacheManager per kind
+    (its own pool and tensors, its own block table per request), driven in step. Group 0 holds
+    the full-attention layers. Every allocation, fork and swap either happens in all groups or
+    in none; a prefix hit counts only as far as every group can serve it (a sliding group needs
+    just the blocks its window still sees)."""
+
+    def __init__(self, groups: list[KVCacheManager]) -> None:
+        self.groups = groups
+        self.block_size = groups[0].block_size
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # -- what the scheduler and the engine read ---------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(g.num_blocks for g in self.groups)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(g.num_used_blocks for g in self.groups)
+
+    @property
+    def num_evictions(self) -> int:
+        return sum(g.num_evictions for g in self.groups)
+
+    @property
+    def tier(self) -> TierStats:
+        return TierStats(*(sum(getattr(g.tier, f) for g in self.groups) for f in TierStats.__dataclass_fields__))
+
+    def usage(self) -> float:
+        return max(g.usage() for g in self.groups)
+
+    def cpu_blocks(self) -> tuple[int, int, int]:
+        return tuple(sum(x) for x in zip(*(g.cpu_blocks() for g in self.groups)))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.groups[0].block_ids(request_id)
+
+    def group_block_ids(self, request_id: str) -> list[list[int]]:
+        return [g.block_ids(request_id) for g in self.groups[1:]]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return self.groups[0].blocks_needed(num_tokens)
+
+    def shortfall(self, num_tokens: int, chunk_tokens: int) -> tuple[int, int] | None:
+        return next((s for g in self.groups if (s := g.shortfall(num_tokens, chunk_tokens))), None)
+
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    # -- allocation --------------------------------------------------------------------------
+
+    def get_computed_blocks(self, req: Request) -> tuple[HybridHit, int]:
+        """The longest prefix every group holds: the full group's contiguous hit, cut back until
+        each windowed group has the blocks its window needs at that length."""
+        k = self.groups[0].find_hit(req).num_blocks
+        while True:
+            hits = [g.find_hit(req, k) for g in self.groups]
+            shortest = min(h.num_blocks for h in hits)
+            if shortest == k:
+                break
+            k = shortest
+        hits = [_cut(h, k) for h in hits]
+        if self.groups[0].pool.enable_caching:
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += k * self.block_size
+        return HybridHit(hits), k * self.block_size
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, hit: HybridHit | None = None) -> list[int] | None:
+        hits = hit.hits if hit is not None else [None] * len(self.groups)
+        if not all(g.has_room(req, num_new_tokens, h) for g, h in zip(self.groups, hits)):
+            return None
+        tables = [g.allocate_slots(req, num_new_tokens, h) for g, h in zip(self.groups, hits)]
+        assert all(t is not None for t in tables), "a group refused what has_room allowed"
+        return tables[0]
+
+    def cache_blocks(self, req: Request) -> None:
+        for g in self.groups:
+            g.cache_blocks(req)
+
+    def free_out_of_window(self, req: Request) -> None:
+        for g in self.groups:
+            g.free_out_of_window(req)
+
+    # -- swapping and forks ------------------------------------------------------------------
+
+    def is_swapped(self, req: Request) -> bool:
+        return self.groups[0].is_swapped(req)
+
+    def can_swap_out(self, req: Request) -> bool:
+        return all(g.can_swap_out(req) for g in self.groups)
+
+    def swap_out(self, req: Request) -> None:
+        for g in self.groups:
+            g.swap_out(req)
+
+    def take_transfers(self) -> tuple[list[tuple[int, int, int]], ...]:
+        """This step's copies as (group, source block, destination block) triples, in the order
+        of KVCacheManager.take_transfers."""
+        out: tuple[list, list, list] = ([], [], [])
+        for i, g in enumerate(self.groups):
+            for dst, pairs in zip(out, g.take_transfers()):
+                dst.extend((i, a, b) for a, b in pairs)
+        return out
+
+    def fork(self, parent: Request, child: Request) -> bool:
+        if not all(g.can_fork(parent) for g in self.groups):
+            return False
+        for g in self.groups:
+            g.fork(parent, child)
+        self.prefix_queries += parent.num_computed_tokens
+        self.prefix_hits += parent.num_computed_tokens
+        return True
+
+    def end_step(self) -> None:
+        for g in self.groups:
+            g.end_step()
+
+    def free(self, req: Request) -> None:
+        for g in self.groups:
+            g.free(req)
+
+    def forget(self, req: Request) -> None:
+        for g in self.groups:
+            g.forget(req)
+
+    def check_all_free(self) -> None:
+        for g in self.groups:
+            g.check_all_free()
+
+
+def _cut(hit: PrefixHit, k: int) -> PrefixHit:
+    """The first k blocks of a hit."""
+    device = hit.device[:k]
+    return PrefixHit(device, hit.cpu[: k - len(device)])

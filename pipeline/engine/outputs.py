@@ -26,6 +26,9 @@ class ScheduledSeq:
     # Prompt logprobs: the prompt tokens at positions start_pos + 1, start_pos + 2, ... that this
     # chunk's rows predict (each row's next prompt token), scored under the raw distribution.
     score_targets: list[int] = field(default_factory=list)
+    # Hybrid KV (layers of several attention kinds): the block tables of the KV groups after the
+    # first (block_table is group 0's, the full-attention layers'); empty with one group.
+    group_tables: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -38,7 +41,8 @@ class SchedulerOutput:
     rejected: list[str] = field(default_factory=list)
     # Block copies the runner makes before the forward pass, in this order:
     # (device block, CPU block) pairs (swap-outs and prefix spills), then
-    # (CPU block, device block) pairs (swap-ins and prefix reloads).
+    # (CPU block, device block) pairs (swap-ins and prefix reloads). With hybrid KV each copy is
+    # a (group, source, destination) triple.
     copy_to_cpu: list[tuple[int, int]] = field(default_factory=list)
     copy_to_device: list[tuple[int, int]] = field(default_factory=list)
     # (device block, device block) pairs: a forked sample's copy of its parent's partial block,

@@ -7,7 +7,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from .kv_manager import KVCacheManager
+from .kv_manager import HybridKVManager, KVCacheManager
 from .outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from .request import Request, RequestStatus
 
@@ -47,7 +47,8 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, clock=time.perf_counter) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | HybridKVManager,
+                 clock=time.perf_counter) -> None:
         self.config = config
         self.kv = kv
         self.clock = clock
@@ -91,10 +92,10 @@ class Scheduler:
         if total > self.config.max_model_len:
             return (f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.sampling.max_tokens}) "
                     f"exceeds the model's max length {self.config.max_model_len}")
-        need = self.kv.peak_blocks(total, self.config.max_num_batched_tokens)
-        if need > self.kv.num_blocks:
-            return (f"needs {need} KV blocks for {total} tokens but the cache holds only "
-                    f"{self.kv.num_blocks}; raise engine.kv_cache_gib or lower max_tokens")
+        short = self.kv.shortfall(total, self.config.max_num_batched_tokens)
+        if short:
+            return (f"needs {short[0]} KV blocks for {total} tokens but the cache holds only "
+                    f"{short[1]}; raise engine.kv_cache_gib or lower max_tokens")
         return None
 
     def has_unfinished(self) -> bool:
@@ -195,6 +196,7 @@ class Scheduler:
             token_ids=req.token_ids_slice(start, start + n),
             start_pos=start,
             block_table=self.kv.block_ids(req.request_id),
+            group_tables=self.kv.group_block_ids(req.request_id),
             sample=sample,
             sampling=req.sampling,
             output_index=req.num_output_tokens,

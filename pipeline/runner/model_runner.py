@@ -81,12 +81,18 @@ def host_zeros(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 
 
 class KVCache:
-    """Per-layer paged K and V tensors: [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Per-layer paged K and V tensors: [num_blocks, block_size, num_kv_heads, head_dim]. With
+    hybrid KV, each layer's tensors have the blocks of its KV group."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, num_cpu_blocks: int = 0) -> None:
-        """dtype int8 or float8_e4m3fn makes a quantised cache with per-(token, head) scales."""
+                 dtype: torch.dtype, device: torch.device, num_cpu_blocks: int = 0,
+                 layer_group: tuple[int, ...] = (), group_blocks: tuple[tuple[int, int], ...] = ()) -> None:
+        """dtype int8 or float8_e4m3fn makes a quantised cache with per-(token, head) scales.
+        layer_group: each layer's KV group; group_blocks: (device, CPU) blocks per group (the
+        num_blocks / num_cpu_blocks of every layer without them)."""
         pin = device.type == "cuda"
+        self.layer_group = layer_group or (0,) * num_layers
+        group_blocks = group_blocks or ((num_blocks, num_cpu_blocks),)
 
         def make(n: int, dev, pinned: bool):
             if dtype in QUANT_DTYPES:
@@ -95,28 +101,39 @@ class KVCache:
                 return host_zeros((n, block_size, num_kv_heads, head_dim), dtype)
             return torch.zeros((n, block_size, num_kv_heads, head_dim), dtype=dtype, device=dev, pin_memory=pinned)
 
-        self.layers = [(make(num_blocks, device, False), make(num_blocks, device, False)) for _ in range(num_layers)]
+        blocks = [group_blocks[g] for g in self.layer_group]
+        self.layers = [(make(n, device, False), make(n, device, False)) for n, _ in blocks]
         # The CPU tier: same block layout in host memory (pinned on CUDA for async copies).
-        self.cpu_layers = [(make(num_cpu_blocks, "cpu", pin), make(num_cpu_blocks, "cpu", pin))
-                           for _ in range(num_layers)] if num_cpu_blocks else []
+        self.cpu_layers = [(make(c, "cpu", pin), make(c, "cpu", pin)) for _, c in blocks] if num_cpu_blocks else []
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.block_bytes = 2 * num_layers * block_size * kv_bytes_per_token_head(dtype_name(dtype), head_dim) * num_kv_heads
-        self.bytes = num_blocks * self.block_bytes
-        self.cpu_bytes = num_cpu_blocks * self.block_bytes
+        layer_block = 2 * block_size * kv_bytes_per_token_head(dtype_name(dtype), head_dim) * num_kv_heads
+        # One block of every layer (a full-attention block's worth of KV, for the swap counters).
+        self.block_bytes = num_layers * layer_block
+        self.bytes = sum(n for n, _ in blocks) * layer_block
+        self.cpu_bytes = sum(c for _, c in blocks) * layer_block if num_cpu_blocks else 0
 
-    def copy(self, pairs: list[tuple[int, int]], direction: str) -> None:
+    def copy(self, pairs: list[tuple[int, ...]], direction: str) -> None:
         """Copy whole blocks, every layer: direction "to_cpu" (device block, CPU block),
-        "to_device" (CPU block, device block) or "within" (device block, device block)."""
+        "to_device" (CPU block, device block) or "within" (device block, device block). With
+        hybrid KV the copies are (group, source, destination) triples, each made in its group's
+        layers."""
         if not pairs:
             return
         from batchgen.kernels.block_copy import copy_blocks
 
-        src_ids = torch.tensor([a for a, _ in pairs], dtype=torch.long)
-        dst_ids = torch.tensor([b for _, b in pairs], dtype=torch.long)
+        by_group: dict[int, list[tuple[int, int]]] = {}
+        for p in pairs:
+            g, a, b = p if len(p) == 3 else (0, *p)
+            by_group.setdefault(g, []).append((a, b))
+        ids = {g: (torch.tensor([a for a, _ in ps], dtype=torch.long), torch.tensor([b for _, b in ps], dtype=torch.long))
+               for g, ps in by_group.items()}
         tiers = {"to_cpu": (self.layers, self.cpu_layers), "to_device": (self.cpu_layers, self.layers),
                  "within": (self.layers, self.layers)}[direction]
-        for src_layer, dst_layer in zip(*tiers):
+        for g, src_layer, dst_layer in zip(self.layer_group, *tiers):
+            if g not in ids:
+                continue
+            src_ids, dst_ids = ids[g]
             for src, dst in zip(src_layer, dst_layer):
                 parts = [(src.raw, dst.raw), (src.scale, dst.scale)] if isinstance(src, QuantCache) else [(src, dst)]
                 for a, b in parts:
@@ -126,10 +143,12 @@ class KVCache:
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, sampler: Sampler | None = None,
                  decode_mode: str = "batched", backend: str = "torch", window: int | None = None, graphs=None,
-                 constraints=None) -> None:
+                 constraints=None, windows: tuple[int | None, ...] | None = None) -> None:
         """graphs: a DecodeGraphs (CUDA with the Triton backend) that decode-only steps replay;
-        constraints: a guided.Constraints (structured output), made when a request needs one."""
-        self.window = window
+        constraints: a guided.Constraints (structured output), made when a request needs one;
+        windows: each KV group's attention window with hybrid KV (else the one `window`)."""
+        self.windows = tuple(windows) if windows else (window,)
+        self.window = self.windows[0] if len(self.windows) == 1 else None
         self.model = model
         self.kv = kv_cache
         self.decode_mode = decode_mode
@@ -232,31 +251,18 @@ class ModelRunner:
         return out
 
     def _prepare(self, seqs: list[ScheduledSeq], groups=()):
-        bs = self.kv.block_size
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
         sample_idx: list[int] = []
         sample_seq: list[ScheduledSeq] = []
         # Prompt-logprob rows: (seq, target token ids), and their token indices (after the samples).
         scored: list[tuple[ScheduledSeq, list[int]]] = []
         score_idx: list[int] = []
-        prefills: list[PrefillSeq] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        for i, s in enumerate(seqs):
+        for s in seqs:
             n = len(s.token_ids)
             start_tok = len(ids)
             ids.extend(s.token_ids)
-            p = range(s.start_pos, s.start_pos + n)
-            pos.extend(p)
-            table = s.block_table
-            slots.extend(table[x // bs] * bs + x % bs for x in p)
-            if n == 1:
-                decode_tables.append(table)
-                decode_lens.append(s.start_pos + 1)
-            else:
-                prefills.append(PrefillSeq(start_tok, start_tok + n, s.start_pos, torch.tensor(table, dtype=torch.long)))
+            pos.extend(range(s.start_pos, s.start_pos + n))
             if s.sample:
                 sample_idx.append(start_tok + n - 1)
                 sample_seq.append(s)
@@ -267,31 +273,58 @@ class ModelRunner:
             if s.score_targets:
                 scored.append((s, s.score_targets))
                 score_idx.extend(range(start_tok, start_tok + len(s.score_targets)))
+        # One attention metadata per KV group (its own block tables and window).
+        metas = [self._meta(seqs, [s.block_table if g == 0 else s.group_tables[g - 1] for s in seqs], window,
+                            groups if g == 0 else ()) for g, window in enumerate(self.windows)]
+        meta = metas[0] if len(metas) == 1 else metas
+        return (self._dev(torch.tensor(ids, dtype=torch.long)), self._dev(torch.tensor(pos, dtype=torch.long)),
+                metas[0].slot_mapping, meta,
+                (self._dev(torch.tensor(sample_idx + score_idx, dtype=torch.long)), sample_seq, scored))
+
+    def _meta(self, seqs: list[ScheduledSeq], tables: list[list[int]], window: int | None,
+              groups=()) -> AttentionMetadata:
+        """The attention metadata of one KV group: seqs' block tables `tables`, its window."""
+        bs = self.kv.block_size
+        slots: list[int] = []
+        prefills: list[PrefillSeq] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        start_tok = 0
+        for s, table in zip(seqs, tables):
+            n = len(s.token_ids)
+            slots.extend(table[x // bs] * bs + x % bs for x in range(s.start_pos, s.start_pos + n))
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(s.start_pos + 1)
+            else:
+                prefills.append(PrefillSeq(start_tok, start_tok + n, s.start_pos, torch.tensor(table, dtype=torch.long)))
+            start_tok += n
         meta = AttentionMetadata(
             num_decodes=len(decode_tables), decode_block_tables=None, decode_context_lens=None,
             prefills=prefills, slot_mapping=torch.tensor(slots, dtype=torch.long), decode_mode=self.decode_mode,
-            backend=self.backend, window=self.window)
+            backend=self.backend, window=window)
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
             meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long)
             if self.decode_mode == "batched" and self.backend in ("torch", "cpu"):
                 # The C++ op reads the tables directly; only the torch path needs padded buckets.
-                buckets = self._buckets if self.backend == "torch" else (lambda tables, lens: [])
+                buckets = ((lambda tables, lens: self._buckets(tables, lens, window)) if self.backend == "torch"
+                           else (lambda tables, lens: []))
                 start, meta.cascade_groups = 0, []
                 for members, shared in groups:
                     end = start + len(members)
-                    tables = meta.decode_block_tables[start:end, shared:]
+                    suffix_tables = meta.decode_block_tables[start:end, shared:]
                     lens = meta.decode_context_lens[start:end] - shared * bs
                     meta.cascade_groups.append(CascadeGroup(start, end, torch.tensor(decode_tables[start][:shared],
                                                                                     dtype=torch.long),
-                                                            buckets(tables, lens)))
+                                                            buckets(suffix_tables, lens)))
                     start = end
                 meta.decode_buckets = [DecodeBucket(b.start + start, b.end + start, b.block_tables, b.mask)
                                        for b in buckets(meta.decode_block_tables[start:],
                                                         meta.decode_context_lens[start:])]
         if self.backend == "triton":
-            self._triton_meta(meta, seqs)
+            self._triton_meta(meta, seqs, tables)
         elif self.backend == "cpu" and prefills:
             width = max(len(p.block_table) for p in prefills)
             meta.prefill_block_tables = torch.zeros((len(prefills), width), dtype=torch.long)
@@ -300,8 +333,7 @@ class ModelRunner:
             first = prefills[0].tok_start
             meta.prefill_cu_seqlens = torch.tensor([0] + [p.tok_end - first for p in prefills], dtype=torch.long)
             meta.prefill_start_pos = torch.tensor([p.start_pos for p in prefills], dtype=torch.long)
-        return (self._dev(torch.tensor(ids, dtype=torch.long)), self._dev(torch.tensor(pos, dtype=torch.long)), slots,
-                meta, (self._dev(torch.tensor(sample_idx + score_idx, dtype=torch.long)), sample_seq, scored))
+        return meta
 
     def _graph_decode(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
         """A decode-only step through the CUDA graphs, or None where it does not fit them."""
@@ -318,17 +350,18 @@ class ModelRunner:
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True) if t.device != self.device else t
 
-    def _triton_meta(self, meta: AttentionMetadata, seqs: list[ScheduledSeq]) -> None:
+    def _triton_meta(self, meta: AttentionMetadata, seqs: list[ScheduledSeq], tables: list[list[int]]) -> None:
         """Device tensors for the Triton kernels (int32 indices)."""
         meta.slot_mapping = self._dev(meta.slot_mapping)
         if meta.num_decodes:
             meta.decode_block_tables = self._dev(meta.decode_block_tables.to(torch.int32))
             meta.decode_context_lens = self._dev(meta.decode_context_lens.to(torch.int32))
-        pre = [s for s in seqs if len(s.token_ids) > 1]
+        pre = [(s, t) for s, t in zip(seqs, tables) if len(s.token_ids) > 1]
         if pre:
-            width = max(len(s.block_table) for s in pre)
-            meta.prefill_block_tables = self._dev(torch.tensor([s.block_table + [0] * (width - len(s.block_table))
-                                                                for s in pre], dtype=torch.int32))
+            width = max(len(t) for _, t in pre)
+            meta.prefill_block_tables = self._dev(torch.tensor([t + [0] * (width - len(t)) for _, t in pre],
+                                                               dtype=torch.int32))
+            pre = [s for s, _ in pre]
             lens = [len(s.token_ids) for s in pre]
             cu = [0]
             for n in lens:
@@ -342,7 +375,8 @@ class ModelRunner:
         """Split decodes (sorted by length) into groups that share at least min_blocks physical
         blocks at the front of their tables (a prefix-cache hit), and the rest. Returns
         ([(members, shared_blocks)], rest); members keep their length order."""
-        if self.window or self.decode_mode != "batched" or self.backend not in ("torch", "cpu") or len(decodes) < 2:
+        if (any(self.windows) or self.decode_mode != "batched" or self.backend not in ("torch", "cpu")
+                or len(decodes) < 2):
             return [], decodes
         by_first: dict[int, list[ScheduledSeq]] = {}
         for s in decodes:
@@ -363,7 +397,7 @@ class ModelRunner:
         rest.sort(key=lambda s: s.start_pos)
         return groups, rest
 
-    def _buckets(self, tables: torch.Tensor, context_lens: torch.Tensor) -> list[DecodeBucket]:
+    def _buckets(self, tables: torch.Tensor, context_lens: torch.Tensor, window: int | None) -> list[DecodeBucket]:
         bs = self.kv.block_size
         blocks = ((context_lens + bs - 1) // bs).tolist()
         out = []
@@ -372,8 +406,8 @@ class ModelRunner:
             lens = context_lens[start:end]
             pos = torch.arange(width * bs)[None, :]
             mask = pos < lens[:, None]
-            if self.window:
-                mask &= pos >= lens[:, None] - self.window
+            if window:
+                mask &= pos >= lens[:, None] - window
             mask = mask[:, None, None, :]
             out.append(DecodeBucket(start, end, tables[start:end, :width].contiguous(), mask))
         return out
