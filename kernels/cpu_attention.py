@@ -101,12 +101,14 @@ def available() -> bool:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  lo: torch.Tensor, hi: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, with_lse: bool = False, out: torch.Tensor | None = None):
+                 v_scale: torch.Tensor | None = None, with_lse: bool = False, out: torch.Tensor | None = None,
+                 softcap: float = 0.0):
     """Each row i of q [n, heads, dim] (rows may be strided) attends to keys [lo[i], hi[i]) of its block table.
     Caches [blocks, block_size, kv_heads, dim] in float32/bfloat16, or int8 with per-(slot, head)
     scales [blocks, block_size, kv_heads]. Returns out [n, heads, dim] in q's dtype (written into
     `out` when given: contiguous, q's shape and dtype), and with with_lse also the fp32
-    log-sum-exp of the scaled scores [n, heads]."""
+    log-sum-exp of the scaled scores [n, heads]. softcap > 0 caps the scaled scores at
+    softcap * tanh(s / softcap) first (Gemma 2)."""
     load()
     n, heads, d = q.shape
     # The op reads and writes fp32, and bf16 where its specialised kernel fits; else via fp32.
@@ -118,7 +120,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     ox = out if native and out is not None else torch.empty(q.shape, dtype=qx.dtype)
     lse = torch.empty(q.shape[:2], dtype=torch.float32) if with_lse else None
     torch.ops.batchgen_cpu.paged_decode(ox, lse, qx, k_cache, v_cache, k_scale, v_scale, block_tables, lo, hi,
-                                        float(scale))
+                                        float(scale), float(softcap or 0.0))
     if not native:  # ox is an fp32 temporary
         ox = out.copy_(ox) if out is not None else ox.to(q.dtype)
     return (ox, lse) if with_lse else ox
@@ -138,19 +140,20 @@ def has_prefill_path(heads: int, kv_heads: int, head_dim: int) -> bool:
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   cu_seqlens: torch.Tensor, start_pos: torch.Tensor, scale: float, window: int = 0,
                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of prefill chunks whose K/V are already in the cache. Sequence p's queries
     are rows [cu_seqlens[p], cu_seqlens[p + 1]) of q [n, heads, dim] (float32 or bfloat16; rows
     may be strided), at positions start_pos[p], start_pos[p] + 1, ...; each sees the keys at or
     before its own position (and within `window` when > 0) through block_tables[p]. Caches as for
-    paged_decode. Returns out [n, heads, dim] in q's dtype (written into `out` when given)."""
+    paged_decode, and so is softcap. Returns out [n, heads, dim] in q's dtype (written into `out`
+    when given)."""
     load()
     if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype)
     torch.ops.batchgen_cpu.paged_prefill(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens,
-                                         start_pos, int(window or 0), float(scale))
+                                         start_pos, int(window or 0), float(scale), float(softcap or 0.0))
     return out
 
 
@@ -168,7 +171,7 @@ def _reference_kv(k_cache, v_cache, table, pos, group, k_scale, v_scale):
 
 
 def paged_prefill_reference(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale, window=0,
-                            k_scale=None, v_scale=None):
+                            k_scale=None, v_scale=None, softcap=0.0):
     """Plain torch, fp32 math."""
     group = q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q)
@@ -181,12 +184,14 @@ def paged_prefill_reference(q, k_cache, v_cache, block_tables, cu_seqlens, start
         if window:
             mask &= pos[None, :] > qpos - window
         sc = torch.einsum("nhd,khd->hnk", q[a:b].float(), k) * scale
+        if softcap:
+            sc = torch.tanh(sc / softcap) * softcap
         sc = sc.masked_fill(~mask[None], float("-inf"))
         out[a:b] = torch.einsum("hnk,khd->nhd", sc.softmax(-1), v).to(q.dtype)
     return out
 
 
-def paged_decode_reference(q, k_cache, v_cache, block_tables, lo, hi, scale, k_scale=None, v_scale=None):
+def paged_decode_reference(q, k_cache, v_cache, block_tables, lo, hi, scale, k_scale=None, v_scale=None, softcap=0.0):
     """Plain torch, fp32 math: (out, lse)."""
     group = q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q)
@@ -195,6 +200,8 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, lo, hi, scale, k_s
         pos = torch.arange(int(lo[i]), int(hi[i]))
         k, v = _reference_kv(k_cache, v_cache, block_tables[i], pos, group, k_scale, v_scale)
         s = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
         lse[i] = torch.logsumexp(s, -1)
         out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
     return out, lse

@@ -93,8 +93,7 @@ class Engine:
         self.device = build.resolve_device(model.device)
         self.dtype = build.resolve_dtype(model.dtype, self.device)
         self.kv_dtype = build.resolve_kv_dtype(spec.kv_cache_dtype, self.dtype)
-        self.backend = backend = build.choose_backend(spec, self.device, self.kv_dtype,
-                                                      ModelShape.from_config(checkpoint.config))
+        self.backend = backend = build.choose_backend(spec, self.device, self.kv_dtype)
         if self.device.type == "cpu":
             keep_freed_memory()
         self.model = CausalLM(checkpoint, self.dtype, str(self.device), backend.linear_path, backend.fused_ops,

@@ -33,7 +33,7 @@ LENS = [1, 15, 16, 17, 33, 200, 64]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kvh", [(4, 4), (9, 3), (16, 2), (12, 1)])  # GQA 1, 3, 8 and 12 (generic)
-@pytest.mark.parametrize("d", [64, 128, 32])  # 32: the generic (non-AVX-512-specialised) kernel
+@pytest.mark.parametrize("d", [64, 128, 256, 32])  # 32: the generic (non-AVX-512-specialised) kernel
 @pytest.mark.parametrize("bs", [16, 32])
 def test_op_matches_reference(dtype, heads, kvh, d, bs):
     q, kc, vc, tables, lo, hi = _case(heads, kvh, d, bs, LENS, dtype)
@@ -105,6 +105,31 @@ def test_prefill_op_matches_reference(dtype, heads, kvh, d, bs):
     ref = ca.paged_prefill_reference(q.float(), kc, vc, tables, cu, start, d ** -0.5)
     assert out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # fp32 math; bf16 rounds the output only
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kvh,d", [(8, 4, 64), (4, 1, 256), (8, 2, 32), (12, 1, 64)])
+def test_decode_and_prefill_ops_soft_cap_their_scores(dtype, heads, kvh, d):
+    """Gemma 2's softcap * tanh(score / softcap) in both ops (the AVX-512 kernels at head_dim 64
+    and 256, the generic one at 32 and GQA 12), its log-sum-exp included; a cap inside the
+    scores' range, so skipping it fails."""
+    cap = 1.5
+    q, kc, vc, tables, lo, hi = _case(heads, kvh, d, 16, LENS, dtype, seed=3)
+    q = q * 4
+    out, lse = ca.paged_decode(q, kc, vc, tables, lo, hi, d ** -0.5, with_lse=True, softcap=cap)
+    ref, ref_lse = ca.paged_decode_reference(q.float(), kc, vc, tables, lo, hi, d ** -0.5, softcap=cap)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+    uncapped, _ = ca.paged_decode_reference(q.float(), kc, vc, tables, lo, hi, d ** -0.5)
+    assert (uncapped.float() - ref.float()).abs().max() > 0.1
+    if not ca.has_prefill_path(heads, kvh, d):
+        return
+    q, kc, vc, tables, cu, start = _prefill_case(heads, kvh, d, 16, CHUNKS, dtype, seed=3)
+    q = q * 4
+    out = ca.paged_prefill(q, kc, vc, tables, cu, start, d ** -0.5, window=50, softcap=cap)
+    ref = ca.paged_prefill_reference(q.float(), kc, vc, tables, cu, start, d ** -0.5, window=50, softcap=cap)
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 

@@ -62,12 +62,11 @@ def test_gemma_from_a_saved_folder(tmp_path, gemma):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gemma_default_cpu_path_is_close(gemma, dtype):
-    """The engine's default CPU path (oneDNN GEMMs, the C++ layer ops; Gemma 3's attention on the
-    C++ ops with each group's window, Gemma 2's soft-capped attention on torch) by the top-5 rule
-    against the exact path."""
+    """The engine's default CPU path (oneDNN GEMMs, the C++ layer ops, attention on the C++ ops
+    with each group's window and Gemma 2's soft cap) by the top-5 rule against the exact path."""
     family, model, ps, _ = gemma
     e = engine(model, dtype=dtype)
-    assert e.backend.fused_ops and e.backend.attention == ("torch" if family == "gemma2" else "cpu")
+    assert e.backend.fused_ops and e.backend.attention == "cpu"
     _assert_top5_close(e, engine(model, **EXACT), ps)
 
 

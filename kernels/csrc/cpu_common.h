@@ -6,6 +6,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #if defined(__SSE__) || defined(__AVX512F__)
@@ -116,6 +117,13 @@ inline void check_attention_args(const char* op, const at::Tensor& out, const at
                     k_scale->scalar_type() == at::kFloat && v_scale->scalar_type() == at::kFloat &&
                     k_scale->numel() * q.size(2) == k_cache.numel() && v_scale->numel() * q.size(2) == v_cache.numel(),
                 op, ": an int8 cache needs contiguous float32 scales [blocks, block_size, kv_heads]");
+}
+
+// s[0, n) -> cap * tanh(s / cap): Gemma 2's soft-capping of attention scores.
+inline void soft_cap(float* s, int64_t n, float cap) {
+  const float inv = 1.f / cap;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] * inv);
 }
 
 }  // namespace batchgen_cpu

@@ -8,7 +8,8 @@
 // Caches: float32 or bfloat16 [num_blocks, block_size, kv_heads, dim], or int8 with one float
 // scale per (slot, head) in a [num_blocks, block_size, kv_heads] tensor.
 // Every sequence attends to keys [lo, hi) of its own table; lse (optional) gets the log-sum-exp
-// of the scaled scores, for merging partial results (cascade prefixes).
+// of the scaled (and, with softcap > 0, capped) scores, for merging partial results (cascade
+// prefixes).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -31,10 +32,12 @@ inline void load_row(float* __restrict dst, const T* __restrict src, int64_t d) 
 }
 
 // Each of `rows` rows of scores (length len) becomes its softmax in place; lse[r] (when given)
-// gets the row's log-sum-exp.
-inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* lse) {
+// gets the row's log-sum-exp. softcap > 0 first caps each score at softcap * tanh(s / softcap)
+// (Gemma 2).
+inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* lse, float softcap) {
   for (int64_t r = 0; r < rows; ++r) {
     float* sg = scores + r * len;
+    if (softcap > 0.f) soft_cap(sg, len, softcap);
     float m = sg[0];
     for (int64_t j = 1; j < len; ++j) m = sg[j] > m ? sg[j] : m;
     float z = 0.f;
@@ -54,7 +57,7 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* lse) {
 template <typename KT>
 void decode_impl(float* out, float* lse, const float* q, int64_t q_stride, const KT* kc, const KT* vc, const float* ks, const float* vs,
                  const int64_t* tables, const int64_t* lo_p, const int64_t* hi_p, int64_t n, int64_t heads,
-                 int64_t kvh, int64_t d, int64_t bs, int64_t width, float scale) {
+                 int64_t kvh, int64_t d, int64_t bs, int64_t width, float scale, float softcap) {
   const int64_t group = heads / kvh;
   at::parallel_for(0, n * kvh, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), row(d), scores;
@@ -89,7 +92,7 @@ void decode_impl(float* out, float* lse, const float* q, int64_t q_stride, const
           }
         }
       });
-      softmax_rows(scores.data(), group, len, l);
+      softmax_rows(scores.data(), group, len, l, softcap);
       // Weighted sum of V: one pass over V, straight into the output.
       std::fill(o, o + group * d, 0.f);
       walk_blocks(table, lo, hi, bs, [&](int64_t slot0, int64_t cnt, int64_t at, int64_t) {
@@ -140,7 +143,7 @@ inline __m256 transpose_sum8(const __m512* a) {
 template <int G, int ND, typename KT>
 void decode_seq_avx512(float* o, float* lse, const float* q, const KT* kc, const KT* vc, const float* ks,
                        const float* vs, const int64_t* table, int64_t lo, int64_t hi, int64_t kvh, int64_t bs,
-                       float scale, float* scores, float* acc_mem, const KT* next_k) {
+                       float scale, float softcap, float* scores, float* acc_mem, const KT* next_k) {
   constexpr int D = ND * 16;
   const int64_t len = hi - lo;
   const int64_t row = kvh * D;
@@ -185,7 +188,7 @@ void decode_seq_avx512(float* o, float* lse, const float* q, const KT* kc, const
       }
     }
   });
-  softmax_rows(scores, kvh * G, len, lse);
+  softmax_rows(scores, kvh * G, len, lse, softcap);
   // Weighted sum of V: one pass over V; accumulators of one head live in registers per block.
   std::fill(acc_mem, acc_mem + kvh * G * D, 0.f);
   walk_blocks(table, lo, hi, bs, [&](int64_t slot0, int64_t cnt, int64_t at, int64_t nxt) {
@@ -216,14 +219,14 @@ void decode_seq_avx512(float* o, float* lse, const float* q, const KT* kc, const
 }
 
 using SeqFn = void (*)(float*, float*, const float*, const void*, const void*, const float*, const float*,
-                       const int64_t*, int64_t, int64_t, int64_t, int64_t, float, float*, float*, const void*);
+                       const int64_t*, int64_t, int64_t, int64_t, int64_t, float, float, float*, float*, const void*);
 
 template <int G, int ND, typename KT>
 void seq_thunk(float* o, float* lse, const float* q, const void* kc, const void* vc, const float* ks, const float* vs,
-               const int64_t* table, int64_t lo, int64_t hi, int64_t kvh, int64_t bs, float scale, float* scores,
-               float* acc, const void* next_k) {
+               const int64_t* table, int64_t lo, int64_t hi, int64_t kvh, int64_t bs, float scale, float softcap,
+               float* scores, float* acc, const void* next_k) {
   decode_seq_avx512<G, ND, KT>(o, lse, q, static_cast<const KT*>(kc), static_cast<const KT*>(vc), ks, vs, table, lo,
-                               hi, kvh, bs, scale, scores, acc, static_cast<const KT*>(next_k));
+                               hi, kvh, bs, scale, softcap, scores, acc, static_cast<const KT*>(next_k));
 }
 
 template <int ND, typename KT>
@@ -245,6 +248,7 @@ template <typename KT>
 SeqFn pick(int64_t g, int64_t d) {
   if (d == 64) return pick_g<4, KT>(g);
   if (d == 128) return pick_g<8, KT>(g);
+  if (d == 256) return pick_g<16, KT>(g);  // Gemma 2/3
   return nullptr;
 }
 
@@ -254,7 +258,7 @@ SeqFn pick(int64_t g, int64_t d) {
 template <typename KT>
 bool decode_fast(void* out_v, float* lse, const void* q_v, int64_t q_stride, bool bf16_io, const KT* kc, const KT* vc, const float* ks,
                  const float* vs, const int64_t* tables, const int64_t* lo_p, const int64_t* hi_p, int64_t n,
-                 int64_t heads, int64_t kvh, int64_t d, int64_t bs, int64_t width, float scale) {
+                 int64_t heads, int64_t kvh, int64_t d, int64_t bs, int64_t width, float scale, float softcap) {
   const int64_t group = heads / kvh;
   SeqFn fn = pick<KT>(group, d);
   if (!fn) return false;
@@ -294,7 +298,8 @@ bool decode_fast(void* out_v, float* lse, const void* q_v, int64_t q_stride, boo
         scores.resize(heads * (hi - lo));
         const KT* next_k = s + 1 < end && hi_p[s + 1] > lo_p[s + 1]
                                ? kc + tables[(s + 1) * width + lo_p[s + 1] / bs] * bs * kvh * d : nullptr;
-        fn(o, l, qs, kc, vc, ks, vs, tables + s * width, lo, hi, kvh, bs, scale, scores.data(), acc.data(), next_k);
+        fn(o, l, qs, kc, vc, ks, vs, tables + s * width, lo, hi, kvh, bs, scale, softcap, scores.data(), acc.data(),
+           next_k);
       }
       if (bf16_io) {
         c10::BFloat16* ob = static_cast<c10::BFloat16*>(out_v) + s * hd;
@@ -310,7 +315,7 @@ bool has_fast_path(int64_t heads, int64_t kvh, int64_t d) {
 #else
 template <typename KT>
 bool decode_fast(void*, float*, const void*, int64_t, bool, const KT*, const KT*, const float*, const float*, const int64_t*,
-                 const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float) {
+                 const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float) {
   return false;
 }
 bool has_fast_path(int64_t, int64_t, int64_t) { return false; }
@@ -318,7 +323,7 @@ bool has_fast_path(int64_t, int64_t, int64_t) { return false; }
 
 void paged_decode(at::Tensor out, c10::optional<at::Tensor> lse, at::Tensor q, at::Tensor k_cache,
                   at::Tensor v_cache, c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale,
-                  at::Tensor block_tables, at::Tensor lo, at::Tensor hi, double scale_d) {
+                  at::Tensor block_tables, at::Tensor lo, at::Tensor hi, double scale_d, double softcap_d) {
   const bool bf16_io = q.scalar_type() == at::kBFloat16;
   check_attention_args("paged_decode", out, q, k_cache, v_cache, k_scale, v_scale);
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_decode: heads must be a multiple of kv_heads");
@@ -342,11 +347,12 @@ void paged_decode(at::Tensor out, c10::optional<at::Tensor> lse, at::Tensor q, a
   const int64_t* tp = block_tables.data_ptr<int64_t>();
   const int64_t* lp = lo.data_ptr<int64_t>();
   const int64_t* hp = hi.data_ptr<int64_t>();
-  const float scale = static_cast<float>(scale_d);
+  const float scale = static_cast<float>(scale_d), softcap = static_cast<float>(softcap_d);
   auto run = [&](auto* kc, auto* vc, const float* ks, const float* vs) {
-    if (!decode_fast(o, lse_p, qp, q.stride(0), bf16_io, kc, vc, ks, vs, tp, lp, hp, n, heads, kvh, d, bs, width, scale))
+    if (!decode_fast(o, lse_p, qp, q.stride(0), bf16_io, kc, vc, ks, vs, tp, lp, hp, n, heads, kvh, d, bs, width, scale,
+                     softcap))
       decode_impl(static_cast<float*>(o), lse_p, static_cast<const float*>(qp), q.stride(0), kc, vc, ks, vs, tp, lp, hp, n, heads,
-                  kvh, d, bs, width, scale);
+                  kvh, d, bs, width, scale, softcap);
   };
   if (k_cache.scalar_type() == at::kFloat) {
     run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), nullptr, nullptr);
@@ -361,7 +367,7 @@ void paged_decode(at::Tensor out, c10::optional<at::Tensor> lse, at::Tensor q, a
 
 TORCH_LIBRARY(batchgen_cpu, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor(b!)? lse, Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, "
-        "Tensor? v_scale, Tensor block_tables, Tensor lo, Tensor hi, float scale) -> ()",
+        "Tensor? v_scale, Tensor block_tables, Tensor lo, Tensor hi, float scale, float softcap=0.) -> ()",
         &paged_decode);
   m.def("has_fast_path(int heads, int kv_heads, int head_dim) -> bool", &has_fast_path);
 }

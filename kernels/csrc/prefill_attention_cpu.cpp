@@ -184,7 +184,7 @@ struct Buffers {
 template <typename QT, typename KT>
 void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT* vc, const float* ks, const float* vs,
                   const int64_t* table, int64_t row0, int64_t pos0, int64_t nq, int64_t h, int64_t heads, int64_t kvh,
-                  int64_t d, int64_t bs, int64_t window, float scale, Buffers& b) {
+                  int64_t d, int64_t bs, int64_t window, float scale, float softcap, Buffers& b) {
   const int64_t G = heads / kvh, M = nq * G, Mp = (M + 7) / 8 * 8, nd16 = d / 16;
 #ifdef __AVX512BF16__
   // bf16 q and cache: scores from the bf16 values as they are (the FMA path converts them to fp32
@@ -281,6 +281,7 @@ void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT
         b.alpha[r] = 1.f;
         continue;
       }
+      if (softcap > 0.f) soft_cap(s + jlo, jhi - jlo, softcap);
       float mx = s[jlo];
       for (int64_t j = jlo + 1; j < jhi; ++j) mx = s[j] > mx ? s[j] : mx;
       const float mnew = std::max(b.m[r], mx);
@@ -321,7 +322,7 @@ void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT
 template <typename QT, typename KT>
 void prefill_run(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT* vc, const float* ks, const float* vs,
                  const int64_t* tables, int64_t width, const int64_t* cu, const int64_t* start, int64_t nseq,
-                 int64_t heads, int64_t kvh, int64_t d, int64_t bs, int64_t window, float scale) {
+                 int64_t heads, int64_t kvh, int64_t d, int64_t bs, int64_t window, float scale, float softcap) {
   std::vector<Item> items;
   int64_t total = 0;
   for (int64_t p = 0; p < nseq; ++p)
@@ -350,7 +351,7 @@ void prefill_run(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT*
       const Item& it = items[i];
       const int64_t nq = std::min(TQ, cu[it.seq + 1] - cu[it.seq] - it.t0);
       prefill_item(out, q, q_stride, kc, vc, ks, vs, tables + it.seq * width, cu[it.seq] + it.t0,
-                   start[it.seq] + it.t0, nq, it.head, heads, kvh, d, bs, window, scale, b);
+                   start[it.seq] + it.t0, nq, it.head, heads, kvh, d, bs, window, scale, softcap, b);
     }
   });
 }
@@ -364,7 +365,7 @@ bool has_prefill_path(int64_t, int64_t, int64_t) { return false; }
 
 void paged_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                    c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale, at::Tensor block_tables,
-                   at::Tensor cu_seqlens, at::Tensor start_pos, int64_t window, double scale_d) {
+                   at::Tensor cu_seqlens, at::Tensor start_pos, int64_t window, double scale_d, double softcap_d) {
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   check_attention_args("paged_prefill", out, q, k_cache, v_cache, k_scale, v_scale);
   const int64_t heads = q.size(1), kvh = k_cache.size(2), d = q.size(2), bs = k_cache.size(1);
@@ -385,19 +386,19 @@ void paged_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor 
                 "paged_prefill: sequence ", p, " (start ", st[p], ", ", cu[p + 1] - cu[p],
                 " tokens) does not fit its block table (", width, " blocks of ", bs, ")");
 #ifdef __AVX512F__
-  const float scale = static_cast<float>(scale_d);
+  const float scale = static_cast<float>(scale_d), softcap = static_cast<float>(softcap_d);
   const int64_t* tp = block_tables.data_ptr<int64_t>();
   auto with_cache = [&](auto* qp, auto* op) {
     const int64_t qs = q.stride(0);
     if (k_cache.scalar_type() == at::kFloat)
       prefill_run(op, qp, qs, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), nullptr, nullptr, tp, width, cu,
-                  st, nseq, heads, kvh, d, bs, window, scale);
+                  st, nseq, heads, kvh, d, bs, window, scale, softcap);
     else if (k_cache.scalar_type() == at::kBFloat16)
       prefill_run(op, qp, qs, k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), nullptr, nullptr,
-                  tp, width, cu, st, nseq, heads, kvh, d, bs, window, scale);
+                  tp, width, cu, st, nseq, heads, kvh, d, bs, window, scale, softcap);
     else
       prefill_run(op, qp, qs, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), k_scale->data_ptr<float>(),
-                  v_scale->data_ptr<float>(), tp, width, cu, st, nseq, heads, kvh, d, bs, window, scale);
+                  v_scale->data_ptr<float>(), tp, width, cu, st, nseq, heads, kvh, d, bs, window, scale, softcap);
   };
   if (bf16)
     with_cache(q.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
@@ -410,7 +411,7 @@ void paged_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor 
 
 TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
   m.def("paged_prefill(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
-        "Tensor block_tables, Tensor cu_seqlens, Tensor start_pos, int window, float scale) -> ()",
+        "Tensor block_tables, Tensor cu_seqlens, Tensor start_pos, int window, float scale, float softcap=0.) -> ()",
         &paged_prefill);
   m.def("has_prefill_path(int heads, int kv_heads, int head_dim) -> bool", &has_prefill_path);
 }

@@ -184,12 +184,10 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, softcap: float = 0.0) -> torch.Tensor:
     """q [num_tokens, heads, dim], k/v [num_tokens, kv_heads, dim] -> [num_tokens, heads, dim].
-    softcap > 0: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); the
-    torch and Triton paths take it, the C++ ops do not (the engine runs such models on torch)."""
+    softcap > 0: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2), on
+    every path."""
     if meta.backend == "triton":
         return _triton_attention(q, k, v, k_cache, v_cache, meta, scale, softcap)
-    if softcap and meta.backend == "cpu":
-        raise NotImplementedError("attention soft-capping runs on the torch and Triton paths, not the C++ ops")
     if meta.backend == "cpu" and _cpu_store_ok(k, v, k_cache):
         from batchgen.kernels.cpu_attention import store_kv as cpu_store_kv
 
@@ -207,7 +205,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                    gather_context(v_cache, meta.decode_block_tables[i], ctx)[lo:], scale,
                                    causal=False, softcap=softcap)[0]
         elif meta.backend == "cpu":
-            _decode_cpu_op(q, k_cache, v_cache, meta, scale, out)
+            _decode_cpu_op(q, k_cache, v_cache, meta, scale, out, softcap)
         else:
             for grp in meta.cascade_groups or ():
                 out[grp.start : grp.end] = _decode_cascade(q[grp.start : grp.end], k_cache, v_cache, grp, scale,
@@ -216,13 +214,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                 out[b.start : b.end] = _decode_batched(q[b.start : b.end], k_cache, v_cache, b, scale, softcap)
     if (meta.prefills and meta.backend == "cpu" and meta.decode_mode != "exact" and meta.prefill_cu_seqlens is not None
             and _prefill_cpu_ok(q, k_cache)):
-        whole = _whole_prompts_to_sdpa(q, k_cache, meta)
+        whole = 0 if softcap else _whole_prompts_to_sdpa(q, k_cache, meta)  # SDPA has no cap
         for p in meta.prefills[:whole]:
             out[p.tok_start : p.tok_end] = _sdpa_one(q[p.tok_start : p.tok_end], k[p.tok_start : p.tok_end],
                                                      v[p.tok_start : p.tok_end], scale, causal=True)
         if whole < len(meta.prefills):
             first = meta.prefills[whole].tok_start
-            _prefill_cpu_op(q[first:], k_cache, v_cache, meta, scale, out[first:], skip=whole)
+            _prefill_cpu_op(q[first:], k_cache, v_cache, meta, scale, out[first:], skip=whole, softcap=softcap)
         return out
     for p in meta.prefills:
         qs = q[p.tok_start : p.tok_end]
@@ -355,13 +353,13 @@ def _decode_cascade(q: torch.Tensor, k_cache, v_cache, grp: "CascadeGroup", scal
     return out.reshape(nd, nh, d)
 
 
-def _cpu_op_call(q, k_cache, v_cache, tables, lo, hi, scale, with_lse=False, out=None):
+def _cpu_op_call(q, k_cache, v_cache, tables, lo, hi, scale, with_lse=False, out=None, softcap=0.0):
     from batchgen.kernels.cpu_attention import paged_decode
 
     if isinstance(k_cache, QuantCache):
         return paged_decode(q, k_cache.data, v_cache.data, tables, lo, hi, scale, k_cache.scale, v_cache.scale,
-                            with_lse=with_lse, out=out)
-    return paged_decode(q, k_cache, v_cache, tables, lo, hi, scale, with_lse=with_lse, out=out)
+                            with_lse=with_lse, out=out, softcap=softcap)
+    return paged_decode(q, k_cache, v_cache, tables, lo, hi, scale, with_lse=with_lse, out=out, softcap=softcap)
 
 
 def _cpu_store_ok(k: torch.Tensor, v: torch.Tensor, k_cache) -> bool:
@@ -400,7 +398,7 @@ def amx_available() -> bool:
 
 
 def _prefill_cpu_op(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
-                    skip: int = 0) -> None:
+                    skip: int = 0, softcap: float = 0.0) -> None:
     """The step's prefill chunks (all but the first `skip`; q and out start at the first one
     taken) in one call of the C++ op, which reads K/V (the new tokens' already stored) through
     the block tables: no gather, no mask, no per-sequence dispatch."""
@@ -413,12 +411,13 @@ def _prefill_cpu_op(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     dst = out if out.is_contiguous() else None
     cu = meta.prefill_cu_seqlens[skip:] - meta.prefill_cu_seqlens[skip] if skip else meta.prefill_cu_seqlens
     res = paged_prefill(q, k_cache, v_cache, meta.prefill_block_tables[skip:], cu, meta.prefill_start_pos[skip:],
-                        scale, meta.window or 0, out=dst, **scales)
+                        scale, meta.window or 0, out=dst, softcap=softcap, **scales)
     if dst is None:
         out.copy_(res)
 
 
-def _decode_cpu_op(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+def _decode_cpu_op(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                   softcap: float = 0.0) -> None:
     """Decodes through the C++ op, which reads K/V in place (no gather, no padding). Cascade
     groups attend their shared prefix once (one matmul, as on the torch path) and their own
     suffixes through the op, merged by log-sum-exp."""
@@ -428,12 +427,12 @@ def _decode_cpu_op(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, o
     for grp in meta.cascade_groups or ():
         nd, nh, d = q[grp.start : grp.end].shape
         kvh = k_cache.shape[2]
-        o_p, lse_p = _cascade_prefix(q[grp.start : grp.end], k_cache, v_cache, grp.blocks, scale)
+        o_p, lse_p = _cascade_prefix(q[grp.start : grp.end], k_cache, v_cache, grp.blocks, scale, softcap)
         shared = grp.blocks.shape[0]
         suffix_lens = lens[grp.start : grp.end] - shared * bs
         o_s, lse_s = _cpu_op_call(q[grp.start : grp.end], k_cache, v_cache,
                                   tables[grp.start : grp.end, shared:].contiguous(), torch.zeros_like(suffix_lens),
-                                  suffix_lens, scale, with_lse=True)
+                                  suffix_lens, scale, with_lse=True, softcap=softcap)
         o = _merge_lse(o_p, lse_p, o_s.view(nd, kvh, nh // kvh, d), lse_s.view(nd, kvh, nh // kvh))
         out[grp.start : grp.end] = o.reshape(nd, nh, d).to(out.dtype)
         start = grp.end
@@ -441,7 +440,7 @@ def _decode_cpu_op(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, o
         hi = lens[start:]
         lo = (hi - meta.window).clamp_min(0) if meta.window else torch.zeros_like(hi)
         _cpu_op_call(q[start : meta.num_decodes], k_cache, v_cache, tables[start:].contiguous(), lo, hi, scale,
-                     out=out[start : meta.num_decodes])
+                     out=out[start : meta.num_decodes], softcap=softcap)
 
 
 def _triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,

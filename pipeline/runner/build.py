@@ -62,10 +62,8 @@ class Backend:
     fused_ops: bool
 
 
-def choose_backend(spec, device: torch.device, kv_dtype: torch.dtype, shape: ModelShape | None = None) -> Backend:
-    """Attention and GEMM paths for the device and KV storage, refusing impossible asks. A model
-    that soft-caps its attention scores (Gemma 2) runs attention on torch where the C++ ops
-    would have run it (they have no cap); the fused layer ops stay."""
+def choose_backend(spec, device: torch.device, kv_dtype: torch.dtype) -> Backend:
+    """Attention and GEMM paths for the device and KV storage, refusing impossible asks."""
     from batchgen.kernels import cpu_attention
 
     from .linear import onednn_available
@@ -95,8 +93,6 @@ def choose_backend(spec, device: torch.device, kv_dtype: torch.dtype, shape: Mod
                           "engine.attention_backend: torch")
     # The exact reference paths (linear_path plain, decode_attention exact) keep torch's own ops.
     fused = attention == "cpu" and linear_path != "plain" and spec.decode_attention == "batched"
-    if attention == "cpu" and shape is not None and shape.attn_softcap:
-        attention = "torch"
     return Backend(attention, linear_path, fused)
 
 
