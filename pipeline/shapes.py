@@ -70,6 +70,8 @@ class ModelShape:
     def from_config(cls, cfg: Any) -> "ModelShape":
         """From a transformers config object or a config.json dict. Raises KeyError naming a
         missing required key."""
+        cfg = text_config(cfg)
+
         def need(key: str) -> Any:
             v = _get(cfg, key)
             if v is None:
@@ -184,6 +186,17 @@ class ModelShape:
 
 
 GEMMA_TYPES = ("gemma2", "gemma3_text")
+# Multimodal wrappers whose language model we run (text in, text out): model_type -> the
+# prefixes its checkpoints put before the text model's `model.` tensors (transformers' in-memory
+# layout, then the hub's).
+TEXT_PARTS = {"gemma3": ("model.language_model.", "language_model.model.")}
+
+
+def text_config(cfg: Any) -> Any:
+    """The language model's config of a multimodal wrapper (Gemma 3's text_config), else cfg."""
+    if _get(cfg, "model_type") in TEXT_PARTS and _get(cfg, "text_config") is not None:
+        return _get(cfg, "text_config")
+    return cfg
 # Families with per-head RMSNorms on q and k before the rotary embedding.
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
 # Layer kinds of a config's `layer_types` and whether each is windowed.

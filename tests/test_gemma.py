@@ -170,3 +170,30 @@ def test_final_soft_cap_shapes_the_logprobs(gemma):
     first = res.logprobs[0][1]
     assert set(first) == set(ids.tolist())
     assert all(abs(first[t] - v) < 1e-4 for t, v in zip(ids.tolist(), vals.tolist()))
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path):
+    """Gemma 3 4B-27B ship as Gemma3ForConditionalGeneration (a vision tower beside the text
+    model): a text job reads only the language model's tensors, from memory (model.language_model.*)
+    and from the saved folder (the hub's language_model.model.*), and gives transformers' tokens
+    for text-only prompts."""
+    from transformers import AutoConfig, Gemma3ForConditionalGeneration
+
+    text = sharpen_attention(tiny_hf_model("gemma3_text", seed=3), by=4.0)
+    cfg = AutoConfig.for_model("gemma3", text_config=text.config.to_dict(), mm_tokens_per_image=4,
+                               image_token_index=511, boi_token_index=509, eoi_token_index=510,
+                               vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                  num_attention_heads=2, image_size=28, patch_size=14))
+    model = Gemma3ForConditionalGeneration(cfg).eval()
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    ps = prompts(seed=2, lengths=(5, 30, 60))
+    want = hf_greedy(model, ps, 16)
+    assert want == hf_greedy(text, ps, 16)
+    _, res = generate(model, ps, 16, **EXACT)
+    assert [r.token_ids for r in res] == want
+    model.save_pretrained(tmp_path / "mm")
+    assert json.loads((tmp_path / "mm" / "config.json").read_text())["model_type"] == "gemma3"
+    e, res = generate(load_checkpoint(resolve_model(str(tmp_path / "mm"))), ps, 16, **EXACT)
+    assert [r.token_ids for r in res] == want and e.model.shape.kv_groups == (None, WINDOW)
+    p = plan(shape_from_config(json.loads((tmp_path / "mm" / "config.json").read_text())), "float32", 1 << 30, 100)
+    assert p["layers_sliding"] == 4 and p["params"] == sum(t.numel() for t in text.parameters())

@@ -23,6 +23,7 @@ from ..engine.request import SamplingParams
 from ..errors import InputError
 from ..io.rows import InputIndex, RowWindow
 from ..io.sources import InputSource, open_input
+from ..shapes import text_config
 
 log = logging.getLogger("batchgen")
 
@@ -485,7 +486,7 @@ def _cell_format(value) -> dict | str:
 
 
 def context_length(spec: JobSpec, model_config) -> int:
-    n = model_config.max_position_embeddings
+    n = text_config(model_config).max_position_embeddings
     if spec.engine.max_model_len:
         n = min(n, spec.engine.max_model_len)
     return n
@@ -597,7 +598,7 @@ def prepare_job(spec: JobSpec, shard: tuple[int, int] | None = None, *, index: b
             from ..models.loader import eos_token_ids
             from ..runner.guided import GrammarBook
 
-            grammars = GrammarBook(tok, cfg.vocab_size, eos_token_ids(src, cfg, tok))
+            grammars = GrammarBook(tok, text_config(cfg).vocab_size, eos_token_ids(src, cfg, tok))
         preparer = Preparer(spec, tok, max_len, idx, grammars)
         check()
     return PreparedJob(spec, shard, source, idx, src, tok, max_len, preparer, grammars)

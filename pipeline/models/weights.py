@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
+from ..shapes import TEXT_PARTS, text_config
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -136,6 +137,45 @@ class ModuleWeights:
         return self.sd[name]
 
 
+class TextModelWeights:
+    """The language model's tensors of a multimodal checkpoint (Gemma 3's) under the text model's
+    own names: `model.layers.0...` reads `<prefix>layers.0...`; the vision tower is never read."""
+
+    def __init__(self, inner, prefix: str) -> None:
+        self.inner, self.prefix = inner, prefix
+        # A tied checkpoint may hold no lm_head at all; an untied one keeps it beside the model.
+        self.lm_head = next((n for n in ("lm_head.weight", prefix.replace("model.", "", 1) + "lm_head.weight")
+                             if inner.has(n)), "lm_head.weight")
+
+    def _name(self, name: str) -> str:
+        if name == "lm_head.weight":
+            return self.lm_head
+        return self.prefix + name[len("model."):] if name.startswith("model.") else name
+
+    def has(self, name: str) -> bool:
+        return self.inner.has(self._name(name))
+
+    def where(self, name: str) -> str:
+        return self.inner.where(self._name(name))
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.inner.get(self._name(name))
+
+
+def text_part(weights, config):
+    """(weights, config) of the language model where config is a multimodal wrapper's (Gemma 3),
+    else as given."""
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    prefixes = TEXT_PARTS.get(model_type)
+    if not prefixes:
+        return weights, config
+    prefix = next((p for p in prefixes if weights.has(p + "embed_tokens.weight")), None)
+    if prefix is None:
+        raise ConfigError(f"model: a {model_type} checkpoint without its language model's tensors (looked for "
+                          f"{' or '.join(p + 'embed_tokens.weight' for p in prefixes)})")
+    return TextModelWeights(weights, prefix), text_config(config)
+
+
 def eos_ids_of(*sources) -> tuple[int, ...]:
     """The EOS token ids named by configs, generation configs and tokenizers (objects or dicts;
     None skipped), each an id or a list of ids, merged and sorted."""
@@ -164,7 +204,7 @@ class Checkpoint:
         if isinstance(model, Checkpoint):
             return model
         return cls(ModuleWeights(model), model.config,
-                   eos_ids_of(getattr(model, "generation_config", None), model.config))
+                   eos_ids_of(getattr(model, "generation_config", None), model.config, text_config(model.config)))
 
 
 def save_safetensors_shards(tensors, folder: Path, shard_bytes: int = 2 << 30) -> None:

@@ -124,11 +124,10 @@ class CausalLM:
         gate/up matrices are packed layer by layer, so the host holds one layer's source tensors
         at most besides the result. fused: the C++ CPU layer ops (the engine's choice). on_layer(i)
         is called after each layer (a signal check)."""
-        from ..models.weights import Checkpoint
+        from ..models.weights import Checkpoint, text_part
 
         ckpt = Checkpoint.of(checkpoint)
-        cfg = ckpt.config
-        w = ckpt.weights
+        w, cfg = text_part(ckpt.weights, ckpt.config)
         self.shape = s = ModelShape.from_config(cfg)
         self.dtype = dtype
         self.device = torch.device(device)
