@@ -123,3 +123,74 @@ def prepare_all(spec, tokenizer, max_len):
     index, win = read_rows(spec.input)
     out = Preparer(spec, tokenizer, max_len, index).prepare(win)
     return {r.pos: r for r in out.rows}, {e.pos: e.message for e in out.errors}
+
+
+def write_gguf(path, model, arch: str, tokenizer_gguf, rope_factors=None):
+    """A float32 GGUF of a transformers model as llama.cpp lays it out (its tensor names, Phi-3's
+    fused projections, the Qwen MoEs' stacked experts), with the metadata transformers reads and
+    the tokenizer of another GGUF (the bundled SmolLM2's: the model's vocabulary must match it).
+    rope_factors: (long, short) LongRoPE factors, stored as llama.cpp stores them (tensors)."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFWriter
+
+    from batchgen.models.loader import _GGUF_ARCH_LAYER, _GGUF_LAYER, _GGUF_NAMES
+
+    cfg = model.config
+    to_gguf = {v: k for k, v in _GGUF_NAMES.items()}
+    layer = {v: k for k, v in {**_GGUF_LAYER, **_GGUF_ARCH_LAYER.get(arch, {})}.items()}
+    w = GGUFWriter(str(path), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_key_length(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    if getattr(cfg, "num_experts", None):
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", 0):
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if getattr(cfg, "sliding_window", None):
+        w.add_sliding_window(cfg.sliding_window)
+    if rope_factors:
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        for name, f in zip(("rope_factors_long.weight", "rope_factors_short.weight"), rope_factors):
+            w.add_tensor(name, np.asarray(f, dtype=np.float32))
+    tok = GGUFReader(str(tokenizer_gguf))
+
+    w.add_tokenizer_model(bytes(tok.fields["tokenizer.ggml.model"].parts[-1]).decode())
+    w.add_token_list([bytes(tok.fields["tokenizer.ggml.tokens"].parts[i]).decode()
+                      for i in tok.fields["tokenizer.ggml.tokens"].data])
+    w.add_token_types([int(tok.fields["tokenizer.ggml.token_type"].parts[i][0])
+                       for i in tok.fields["tokenizer.ggml.token_type"].data])
+    w.add_token_merges([bytes(tok.fields["tokenizer.ggml.merges"].parts[i]).decode()
+                        for i in tok.fields["tokenizer.ggml.merges"].data])
+    w.add_bos_token_id(int(tok.fields["tokenizer.ggml.bos_token_id"].parts[-1][0]))
+    w.add_eos_token_id(int(tok.fields["tokenizer.ggml.eos_token_id"].parts[-1][0]))
+    for name, t in model.state_dict().items():
+        t = t.detach().float().numpy()
+        if name in to_gguf:
+            w.add_tensor(to_gguf[name], t)
+            continue
+        i, rest = name[len("model.layers."):].split(".", 1)
+        if rest == "mlp.experts.gate_up_proj":  # [experts, 2I, hidden] -> gate and up stacks
+            half = t.shape[1] // 2
+            w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(t[:, :half]))
+            w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(t[:, half:]))
+            continue
+        if rest == "mlp.experts.down_proj":
+            w.add_tensor(f"blk.{i}.ffn_down_exps.weight", t)
+            continue
+        base, suffix = rest.rsplit(".", 1)
+        if base == "mlp.shared_expert_gate":
+            t = t.reshape(-1)
+        w.add_tensor(f"blk.{i}.{layer[base]}.{suffix}", t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -12,7 +12,7 @@ from batchgen.kernels.fused_moe import align, fused_moe, fused_moe_reference
 from batchgen.llm import Engine, GenerationRequest
 from batchgen.models.loader import load_checkpoint, resolve_model
 from batchgen.plan import shape_from_config
-from helpers import engine_specs, tiny_hf_model
+from helpers import engine_specs, tiny_hf_model, write_gguf
 from test_engine import IdTokenizer, hf_greedy, prompts
 
 FAMILIES = ["phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
@@ -162,3 +162,54 @@ def test_moe_align_puts_each_pair_once_in_its_experts_block():
             assert rows.numel() == 0
         else:
             assert all(int(ids.flatten()[r]) == e for r in rows.tolist())
+
+
+@pytest.mark.parametrize("family, arch", [("phi3", "phi3"), ("qwen2_moe", "qwen2moe"), ("qwen3_moe", "qwen3moe")])
+def test_gguf_of_phi3_and_the_qwen_moes_gives_the_models_tokens(tmp_path, smol_source, family, arch):
+    """A float32 GGUF as llama.cpp writes these families (Phi-3's fused qkv and gate/up and its
+    LongRoPE factors as tensors; the MoEs' stacked experts, shared expert and a dense layer):
+    dequantised into the cache and run, it gives the original model's greedy tokens. The MoE
+    sizes, dense layers and LongRoPE come from the file where transformers' GGUF config lacks them."""
+    kw, rope = {}, None
+    if family == "phi3":
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [4.0 + 2 * i for i in range(8)], "original_max_position_embeddings": 96}
+        kw = dict(rope_scaling=rope, original_max_position_embeddings=96)
+    model = sharpen_attention(tiny_hf_model(family, vocab_size=49152, seed=4, **kw))
+    gguf = write_gguf(tmp_path / f"{family}.gguf", model, arch, smol_source.gguf_file,
+                      (rope["long_factor"], rope["short_factor"]) if rope else None)
+    ckpt = load_checkpoint(resolve_model(str(gguf)))
+    assert ckpt.config.model_type == family
+    ps = prompts(seed=8, lengths=(5, 30, 60, 17, 84))
+    assert generate(ckpt, ps, 12, linear_path="plain", decode_attention="exact") == hf_greedy(model, ps, 12)
+
+
+def test_gemma_gguf_is_refused_from_its_header(tmp_path):
+    """transformers' GGUF config for Gemma lacks its soft caps, query_pre_attn_scalar and rope
+    scaling: such a file is refused from its header rather than run wrong."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(tmp_path / "g.gguf"), "gemma2")
+    w.add_block_count(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match="GGUF architecture 'gemma2' is not supported.*phi3, qwen2moe"):
+        resolve_model(str(tmp_path / "g.gguf"))
+
+
+def test_mixtral_gguf_is_refused_from_its_header(tmp_path):
+    """llama.cpp writes Mixtral as a `llama` GGUF with experts, which transformers reads as a dense
+    Llama: refused from the header, before anything is dequantised."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_block_count(2)
+    w.add_expert_count(8)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match="with experts \\(Mixtral\\) is not supported"):
+        resolve_model(str(tmp_path / "m.gguf"))

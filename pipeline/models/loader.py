@@ -182,7 +182,11 @@ def gguf_architecture(path: Path) -> str | None:
 
 
 # GGUF's architecture names for the model types above (Mistral checkpoints are written as llama).
-_GGUF_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+# Gemma GGUFs stay refused: transformers' GGUF config for them leaves out the soft caps,
+# query_pre_attn_scalar and Gemma 3's rope scaling, so a model read through it would run wrong.
+_GGUF_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
+               "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_GGUF_MOE = ("qwen2moe", "qwen3moe")
 
 
 def resolve_model(spec: str) -> ModelSource:
@@ -208,6 +212,9 @@ def resolve_model(spec: str) -> ModelSource:
             raise ConfigError(f"model: {path}: GGUF architecture {arch!r} is not supported; GGUF files are read for "
                               f"{', '.join(_GGUF_TYPES)} (HF folders also for "
                               f"{', '.join(t for t in SUPPORTED_MODEL_TYPES if t not in _GGUF_TYPES)})")
+        if gguf_metadata(path, {f"{arch}.expert_count"}).get(f"{arch}.expert_count") and arch not in _GGUF_MOE:
+            raise ConfigError(f"model: {path}: a GGUF {arch!r} with experts (Mixtral) is not supported (transformers "
+                              f"reads it as a dense model); use its HF folder")
         digest = file_sha256(path)
         return ModelSource(spec, cache_root() / "gguf" / digest[:32], f"gguf:{path.name}:{digest[:16]}", path)
     if path.exists():
@@ -243,11 +250,59 @@ def ensure_local(source: ModelSource) -> Path:
     # looking for the GGUF file again.
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
+    _complete_gguf_config(cfg, gguf)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     cfg.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     _publish(tmp, target)
     return target
+
+
+def _complete_gguf_config(cfg, gguf: Path) -> None:
+    """What transformers' GGUF config leaves out but the file says, written into cfg: the MoE
+    sizes (its defaults are one model's), which layers are dense (blocks without expert tensors),
+    Phi-3's sliding window and LongRoPE factors (stored as tensors)."""
+    arch = gguf_architecture(gguf)
+    meta = gguf_metadata(gguf, {f"{arch}.expert_feed_forward_length", f"{arch}.expert_shared_feed_forward_length",
+                                f"{arch}.attention.sliding_window", f"{arch}.rope.scaling.original_context_length"})
+    if arch in _GGUF_MOE:
+        if f"{arch}.expert_feed_forward_length" in meta:
+            cfg.moe_intermediate_size = int(meta[f"{arch}.expert_feed_forward_length"])
+        if arch == "qwen2moe":
+            cfg.shared_expert_intermediate_size = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
+        sparse = {int(n.split(".")[1]) for n in _gguf_tensor_names(gguf) if n.endswith("ffn_gate_exps.weight")}
+        cfg.mlp_only_layers = [i for i in range(cfg.num_hidden_layers) if i not in sparse]
+        cfg.decoder_sparse_step = 1
+        # llama.cpp renormalises the top-k routing weights for qwen3moe and not for qwen2moe
+        # (the file has no key for it), as the two families' checkpoints do.
+        cfg.norm_topk_prob = arch == "qwen3moe"
+    if arch == "phi3":
+        window = meta.get(f"{arch}.attention.sliding_window")
+        cfg.sliding_window = int(window) if window else None
+        factors = _gguf_small_tensors(gguf, ("rope_factors_long.weight", "rope_factors_short.weight"))
+        if len(factors) == 2:
+            cfg.rope_parameters = {**cfg.rope_parameters, "rope_type": "longrope",
+                                   "long_factor": factors["rope_factors_long.weight"],
+                                   "short_factor": factors["rope_factors_short.weight"],
+                                   "original_max_position_embeddings": int(
+                                       meta.get(f"{arch}.rope.scaling.original_context_length")
+                                       or cfg.max_position_embeddings)}
+            cfg.original_max_position_embeddings = cfg.rope_parameters["original_max_position_embeddings"]
+
+
+def _gguf_tensor_names(gguf: Path) -> list[str]:
+    from gguf import GGUFReader
+
+    return [t.name for t in GGUFReader(str(gguf)).tensors]
+
+
+def _gguf_small_tensors(gguf: Path, names: tuple[str, ...]) -> dict[str, list[float]]:
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    return {t.name: np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).ravel().tolist()
+            for t in GGUFReader(str(gguf)).tensors if t.name in names}
 
 
 # GGUF tensor names of the llama-family architectures -> transformers' names.
@@ -256,16 +311,28 @@ _GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.we
 _GGUF_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
                "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
-               "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+               "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+               # Phi-3's fused projections
+               "attn_qkv": "self_attn.qkv_proj",
+               # Qwen MoEs: the router and the shared expert (the experts' stacks: gguf_tensors)
+               "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+               "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+               "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+               "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+               "ffn_down_exps": "mlp.experts.down_proj"}
+# Per architecture, where it differs: Phi-3's ffn_up is the fused gate_up_proj.
+_GGUF_ARCH_LAYER = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, arch: str | None = None) -> str | None:
     if name in _GGUF_NAMES:
         return _GGUF_NAMES[name]
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{parts[3]}"
-    return None  # e.g. rope_freqs: the config's rope scaling covers it
+    if len(parts) == 4 and parts[0] == "blk":
+        hf = _GGUF_ARCH_LAYER.get(arch, {}).get(parts[2]) or _GGUF_LAYER.get(parts[2])
+        if hf:
+            return f"model.layers.{parts[1]}.{hf}.{parts[3]}"
+    return None  # e.g. rope_freqs, rope_factors_*: the config's rope scaling covers it
 
 
 def _unpermute(w, heads: int):
@@ -284,17 +351,38 @@ def gguf_tensors(path: Path, config, dtype):
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
-    permute = gguf_architecture(path) == "llama"
+    arch = gguf_architecture(path)
+    # A layer's stacked expert gate matrices [experts, I, hidden], until its up matrices come.
+    pending: dict[str, tuple[str, torch.Tensor]] = {}
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         if name is None:
             continue
         shape = [int(x) for x in reversed(t.shape)]
         data = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)  # a writable copy
-        if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             data = _unpermute(data, heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(data)).to(dtype)
+        tensor = torch.from_numpy(np.ascontiguousarray(data)).to(dtype)
+        if name.endswith("shared_expert_gate.weight"):
+            tensor = tensor.reshape(1, -1)  # [hidden] in GGUF, [1, hidden] in transformers
+        if ".mlp.experts." in name and not name.endswith("down_proj.weight"):
+            # The runner reads transformers' in-memory layout: gate and up stacked as
+            # experts.gate_up_proj [experts, 2I, hidden].
+            layer = name.split(".mlp.")[0]
+            other = pending.pop(layer, None)
+            if other is None:
+                pending[layer] = (name, tensor)
+                continue
+            parts = dict([other, (name, tensor)])
+            tensor = torch.cat([parts[layer + ".mlp.experts.gate_proj.weight"],
+                                parts[layer + ".mlp.experts.up_proj.weight"]], 1)
+            name = layer + ".mlp.experts.gate_up_proj"
+        elif name.endswith("experts.down_proj.weight"):
+            name = name[: -len(".weight")]
+        yield name, tensor
+    if pending:
+        raise ConfigError(f"model: {path}: {', '.join(pending)} have expert gate or up matrices without the other")
 
 
 def ensure_weights(source: ModelSource, dtype: str) -> Path:
