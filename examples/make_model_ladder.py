@@ -44,13 +44,26 @@ LADDER = {
                                          num_experts=16, num_experts_per_tok=4, moe_intermediate_size=512,
                                          norm_topk_prob=True, tie_word_embeddings=True, rope_theta=1e6,
                                          max_position_embeddings=32768, rms_norm_eps=1e-6)),
+    # Mixed sliding-window and full layers (the hybrid KV layout), head_dim 256.
+    "gemma-2-2b": ("gemma2", dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                                  num_attention_heads=8, num_key_value_heads=4, head_dim=256, sliding_window=4096,
+                                  query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                                  final_logit_softcapping=30.0, max_position_embeddings=8192, rms_norm_eps=1e-6,
+                                  tie_word_embeddings=True)),
+    "gemma-3-1b": ("gemma3_text", dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                                       num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                       sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256,
+                                       max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                       rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                        "sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 1e4}})),
 }
 
 
 def tensors(config, seed: int = 0):
     """(name, tensor) of a llama-family checkpoint with random weights, one at a time (a sparse
-    layer's experts under the per-expert names real checkpoints use)."""
-    from batchgen.shapes import ModelShape
+    layer's experts under the per-expert names real checkpoints use; Gemma's extra norms)."""
+    from batchgen.shapes import QK_NORM_TYPES, ModelShape
 
     s = ModelShape.from_config(config)
     g = torch.Generator().manual_seed(seed)
@@ -58,20 +71,26 @@ def tensors(config, seed: int = 0):
     def rand(*shape):
         return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
 
+    def norm(n: int) -> torch.Tensor:  # a scale of 1: Gemma stores it as w in (1 + w)
+        return (torch.zeros if s.gemma else torch.ones)(n, dtype=torch.bfloat16)
+
     h, q, kv, inter = s.hidden_size, s.q_size, s.kv_size, s.intermediate_size
     yield "model.embed_tokens.weight", rand(s.vocab_size, h)
     for i in range(s.num_layers):
         p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", torch.ones(h, dtype=torch.bfloat16)
+        yield p + "input_layernorm.weight", norm(h)
         for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             yield p + f"self_attn.{name}.weight", rand(rows, h)
             if s.qkv_bias:
                 yield p + f"self_attn.{name}.bias", rand(rows)
         yield p + "self_attn.o_proj.weight", rand(h, q)
-        yield p + "post_attention_layernorm.weight", torch.ones(h, dtype=torch.bfloat16)
-        if s.model_type == "qwen3_moe":
-            yield p + "self_attn.q_norm.weight", torch.ones(s.head_dim, dtype=torch.bfloat16)
-            yield p + "self_attn.k_norm.weight", torch.ones(s.head_dim, dtype=torch.bfloat16)
+        yield p + "post_attention_layernorm.weight", norm(h)
+        if s.gemma:
+            yield p + "pre_feedforward_layernorm.weight", norm(h)
+            yield p + "post_feedforward_layernorm.weight", norm(h)
+        if s.model_type in QK_NORM_TYPES:
+            yield p + "self_attn.q_norm.weight", norm(s.head_dim)
+            yield p + "self_attn.k_norm.weight", norm(s.head_dim)
         if i in s.moe_layers:
             yield p + "mlp.gate.weight", rand(s.num_experts, h)
             for j in range(s.num_experts):
@@ -83,7 +102,7 @@ def tensors(config, seed: int = 0):
         yield p + "mlp.gate_proj.weight", rand(inter, h)
         yield p + "mlp.up_proj.weight", rand(inter, h)
         yield p + "mlp.down_proj.weight", rand(h, inter)
-    yield "model.norm.weight", torch.ones(h, dtype=torch.bfloat16)
+    yield "model.norm.weight", norm(h)
     if not s.tie_word_embeddings:
         yield "lm_head.weight", rand(s.vocab_size, h)
 

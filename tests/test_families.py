@@ -187,29 +187,27 @@ def test_gguf_of_phi3_and_the_qwen_moes_gives_the_models_tokens(tmp_path, smol_s
 def test_gemma_gguf_is_refused_from_its_header(tmp_path):
     """transformers' GGUF config for Gemma lacks its soft caps, query_pre_attn_scalar and rope
     scaling: such a file is refused from its header rather than run wrong."""
-    from gguf import GGUFWriter
-
-    w = GGUFWriter(str(tmp_path / "g.gguf"), "gemma2")
-    w.add_block_count(2)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
     with pytest.raises(ConfigError, match="GGUF architecture 'gemma2' is not supported.*phi3, qwen2moe"):
-        resolve_model(str(tmp_path / "g.gguf"))
+        resolve_model(str(header_only_gguf(tmp_path / "g.gguf", "gemma2")))
 
 
 def test_mixtral_gguf_is_refused_from_its_header(tmp_path):
     """llama.cpp writes Mixtral as a `llama` GGUF with experts, which transformers reads as a dense
     Llama: refused from the header, before anything is dequantised."""
+    with pytest.raises(ConfigError, match="with experts \\(Mixtral\\) is not supported"):
+        resolve_model(str(header_only_gguf(tmp_path / "m.gguf", "llama", expert_count=8)))
+
+
+def header_only_gguf(path, arch: str, **metadata):
+    """A GGUF of a header alone (two blocks, and e.g. expert_count=8): enough to be refused."""
     from gguf import GGUFWriter
 
-    w = GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w = GGUFWriter(str(path), arch)
     w.add_block_count(2)
-    w.add_expert_count(8)
+    for key, value in metadata.items():
+        getattr(w, f"add_{key}")(value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ConfigError, match="with experts \\(Mixtral\\) is not supported"):
-        resolve_model(str(tmp_path / "m.gguf"))
+    return path
