@@ -1,5 +1,6 @@
 """The CPU ops (csrc/): decode and prefill attention over the paged cache, and fused elementwise
-layer ops (RMSNorm with the residual add, rotary embedding, SiLU-and-multiply, greedy argmax).
+layer ops (RMSNorm with the residual add, rotary embedding, SiLU- and GELU-tanh-and-multiply,
+greedy argmax).
 Built on first use.
 
 It is compiled once per source, compiler flags and CPU (it is built with -march=native) into
@@ -224,6 +225,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[n, 2 * inter] -> silu(gate) * up, [n, inter]."""
     out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
     torch.ops.batchgen_cpu.silu_mul(out, gate_up)
+    return out
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[n, 2 * inter] -> gelu_tanh(gate) * up, [n, inter] (Gemma's gated MLP)."""
+    out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
+    torch.ops.batchgen_cpu.gelu_tanh_mul(out, gate_up)
     return out
 
 

@@ -62,7 +62,8 @@ def plan(shape: ModelShape, dtype: str, kv_budget_bytes: int, seq_tokens: int, b
            "suggested_max_num_batched_tokens": suggest_tokens, "sliding_window": window,
            "layers_full": shape.num_layers - sliding, "layers_sliding": sliding, "warnings": []}
     if window and seq_tokens > window:
-        out["warnings"].append(f"sliding window {window}: KV per sequence is bounded by the window")
+        which = "" if sliding == shape.num_layers else f" of the {sliding} sliding layers"
+        out["warnings"].append(f"sliding window {window}: KV per sequence{which} is bounded by the window")
     if fits == 0:
         out["warnings"].append(
             f"no sequence of {seq_tokens} tokens fits: it needs {per_seq / 2**30:.2f} GiB of KV and the budget is "

@@ -250,6 +250,20 @@ def test_silu_mul_accuracy_over_the_whole_range():
                                atol=1e-30)
 
 
+def test_gelu_tanh_mul_accuracy_over_the_whole_range():
+    """Gemma's gelu_tanh(gate) * up as g * sigmoid(2 z): within a few fp32 ulps of float64's
+    0.5 g (1 + tanh(z)) from the tails through 0 (absolute near 0, where gelu is ~g / 2), odd
+    widths included; and bf16 rows as torch's bf16 op rounds them."""
+    g = torch.cat([torch.linspace(-100, 100, 20001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 9.5, -9.5])])
+    g = g[: g.numel() // 19 * 19].view(-1, 19)
+    gu = torch.cat([g, torch.full_like(g, 1.5)], dim=1)
+    want = torch.nn.functional.gelu(g.double(), approximate="tanh") * 1.5
+    torch.testing.assert_close(ca.gelu_tanh_mul(gu).double(), want, rtol=1e-5, atol=1e-7)
+    x = torch.randn(7, 2 * 300).to(torch.bfloat16)
+    ref = (torch.nn.functional.gelu(x[:, :300].float(), approximate="tanh") * x[:, 300:].float()).to(torch.bfloat16)
+    torch.testing.assert_close(ca.gelu_tanh_mul(x).float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_kv_writes_strided_rows_into_their_slots(dtype):
     from batchgen.runner.attention import store_kv

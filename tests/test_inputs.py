@@ -178,3 +178,20 @@ def test_a_template_without_a_system_role_gets_the_system_prompt_in_the_first_us
     text = tok.decode(list(rows[0].token_ids))
     assert "<start_of_turn>user\nBe terse.\n\nHello<end_of_turn>\n<start_of_turn>model\nHi" in text
     assert tok.decode(list(rows[1].token_ids)).endswith("<start_of_turn>user\nPlain<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_a_base_model_without_a_chat_template(tmp_path, smol_tokenizer):
+    """A base model's tokenizer (a GGUF of one, say) has no template: prompts run as they are;
+    asking for the template, or a messages column, is refused with what to set instead."""
+    import copy
+
+    tok = copy.deepcopy(smol_tokenizer)
+    tok.chat_template = None
+    q = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"id": ["a"], "prompt": ["Once upon a time"], "msgs": [[{"role": "user", "content": "x"}]]}), q)
+    rows, errors = prepare_all(_spec(path=str(q), id_column="id"), tok, 8192)
+    assert not errors and tok.decode(list(rows[0].token_ids)) == "Once upon a time"
+    for spec in (_spec(path=str(q), id_column="id", chat_template=True),
+                 _spec(path=str(q), id_column="id", messages_column="msgs")):
+        with pytest.raises(InputError, match="has no chat template; set chat_template: false"):
+            prepare_all(spec, tok, 8192)

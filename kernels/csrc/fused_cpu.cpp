@@ -82,7 +82,7 @@ void rope_impl(T* x, const T* cos, const T* sin, int64_t n, int64_t heads, int64
   });
 }
 
-// gate_up [n, 2 * inter] -> out [n, inter] = silu(gate) * up.
+// gate_up [n, 2 * inter] -> out [n, inter] = act(gate) * up, act SiLU or GELU-tanh (Gemma).
 #ifdef __AVX512F__
 // silu(g) * u for 16 lanes: g * sigmoid(g), sigmoid through exp(-|g|) and a refined reciprocal.
 // libmvec's exp plus a true division made this op compute-bound; a polynomial and a refined
@@ -104,19 +104,41 @@ inline __m512 exp_neg(__m512 x) {
   return _mm512_scalef_ps(p, k);
 }
 
-inline __m512 silu16(__m512 g) {
-  const __m512 e = exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));  // exp(-|g|) in (0, 1]
+inline __m512 sigmoid16(__m512 x) {
+  const __m512 e = exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));  // exp(-|x|) in (0, 1]
   const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), e);
   __m512 inv = _mm512_rcp14_ps(den);  // 14 bits, then one Newton step: ~1 ulp
   inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
-  // sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) for g < 0.
-  const __m512 sig = _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), inv, e);
-  return _mm512_mul_ps(g, sig);
+  // sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) for x < 0.
+  return _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), inv, e);
+}
+
+inline __m512 silu16(__m512 g) { return _mm512_mul_ps(g, sigmoid16(g)); }
+
+// gelu_tanh(g) = 0.5 g (1 + tanh(z)) = g sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3).
+inline __m512 gelu_tanh16(__m512 g) {
+  const __m512 g2 = _mm512_mul_ps(g, g);
+  const __m512 inner = _mm512_mul_ps(g, _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g2, _mm512_set1_ps(1.f)));
+  return _mm512_mul_ps(g, sigmoid16(_mm512_mul_ps(_mm512_set1_ps(2.f * 0.7978845608f), inner)));
 }
 #endif
 
-template <typename T>
-void silu_mul_impl(T* out, const T* gu, int64_t n, int64_t inter, int64_t gu_stride) {
+struct Silu {
+#ifdef __AVX512F__
+  static __m512 v(__m512 g) { return silu16(g); }
+#endif
+  static float s(float g) { return g / (1.f + std::exp(-g)); }
+};
+
+struct GeluTanh {
+#ifdef __AVX512F__
+  static __m512 v(__m512 g) { return gelu_tanh16(g); }
+#endif
+  static float s(float g) { return 0.5f * g * (1.f + std::tanh(0.7978845608f * (g + 0.044715f * g * g * g))); }
+};
+
+template <typename T, typename Act>
+void gated_mul_impl(T* out, const T* gu, int64_t n, int64_t inter, int64_t gu_stride) {
   at::parallel_for(0, n, 8, [&](int64_t b, int64_t e) {
     FlushDenormals ftz;
     std::vector<float> g(inter), u(inter);
@@ -128,9 +150,9 @@ void silu_mul_impl(T* out, const T* gu, int64_t n, int64_t inter, int64_t gu_str
       int64_t i = 0;
 #ifdef __AVX512F__
       for (; i + 16 <= inter; i += 16)
-        _mm512_storeu_ps(gp + i, _mm512_mul_ps(silu16(_mm512_loadu_ps(gp + i)), _mm512_loadu_ps(up + i)));
+        _mm512_storeu_ps(gp + i, _mm512_mul_ps(Act::v(_mm512_loadu_ps(gp + i)), _mm512_loadu_ps(up + i)));
 #endif
-      for (; i < inter; ++i) gp[i] = gp[i] / (1.f + std::exp(-gp[i])) * up[i];
+      for (; i < inter; ++i) gp[i] = Act::s(gp[i]) * up[i];
       row_from_f32(gp, out + r * inter, inter);
     }
   });
@@ -291,20 +313,24 @@ void rope_(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   }
 }
 
-void silu_mul(at::Tensor out, at::Tensor gate_up) {
+template <typename Act>
+void gated_mul(at::Tensor out, at::Tensor gate_up, const char* op) {
   check_2d(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up's width must be even");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, op, ": gate_up's width must be even");
   TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == gate_up.size(0) &&
                   out.size(1) * 2 == gate_up.size(1) && out.scalar_type() == gate_up.scalar_type(),
-              "silu_mul: out must be contiguous [n, width / 2] in gate_up's dtype");
+              op, ": out must be contiguous [n, width / 2] in gate_up's dtype");
   const int64_t n = gate_up.size(0), inter = out.size(1);
   if (is_bf16(gate_up)) {
     using T = c10::BFloat16;
-    silu_mul_impl<T>(out.data_ptr<T>(), gate_up.data_ptr<T>(), n, inter, gate_up.stride(0));
+    gated_mul_impl<T, Act>(out.data_ptr<T>(), gate_up.data_ptr<T>(), n, inter, gate_up.stride(0));
   } else {
-    silu_mul_impl<float>(out.data_ptr<float>(), gate_up.data_ptr<float>(), n, inter, gate_up.stride(0));
+    gated_mul_impl<float, Act>(out.data_ptr<float>(), gate_up.data_ptr<float>(), n, inter, gate_up.stride(0));
   }
 }
+
+void silu_mul(at::Tensor out, at::Tensor gate_up) { gated_mul<Silu>(out, gate_up, "silu_mul"); }
+void gelu_tanh_mul(at::Tensor out, at::Tensor gate_up) { gated_mul<GeluTanh>(out, gate_up, "gelu_tanh_mul"); }
 
 void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
@@ -373,5 +399,6 @@ TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) h, Tensor? delta, Tensor weight, float eps) -> ()", &add_rms_norm);
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &rope_);
   m.def("silu_mul(Tensor(a!) out, Tensor gate_up) -> ()", &silu_mul);
+  m.def("gelu_tanh_mul(Tensor(a!) out, Tensor gate_up) -> ()", &gelu_tanh_mul);
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()", &store_kv);
 }

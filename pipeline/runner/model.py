@@ -296,8 +296,8 @@ class CausalLM:
 
     def _forward_fused(self, input_ids, positions, metas, kv_caches, sample_idx) -> torch.Tensor:
         """The same layers with the C++ CPU ops: RMSNorm fused with the residual add before it,
-        rotary embedding in place on the QKV output, SiLU-and-multiply in one pass. Gemma's
-        output norms run through the same op without the add, its GELU-tanh gating in torch."""
+        rotary embedding in place on the QKV output, SiLU- or GELU-tanh-and-multiply in one pass.
+        Gemma's output norms run through the same op without the add."""
         from batchgen.kernels import cpu_attention as ops
 
         s = self.shape
@@ -305,7 +305,7 @@ class CausalLM:
         q_size = s.num_heads * s.head_dim
         eps = s.rms_eps
         rope = [(cos[positions], sin[positions]) for cos, sin in self.rope]  # [num_tokens, head_dim]
-        act = ops.silu_mul if s.hidden_act == "silu" else self._act_mul
+        act = ops.silu_mul if s.hidden_act == "silu" else ops.gelu_tanh_mul
         h = self._embed(input_ids)  # [num_tokens, hidden], updated in place by the residual adds
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
