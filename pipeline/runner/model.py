@@ -132,7 +132,7 @@ class CausalLM:
         self.dtype = dtype
         self.device = torch.device(device)
         self.scale = s.attention_scale
-        # Gemma scales its norms by (1 + w), computed once here in fp32.
+        # Gemma scales its norms by (1 + w): added once here, in fp32, then stored in the model dtype.
         self._norm = gemma_rms_norm if s.gemma else rms_norm
         self._act_mul = _GATED_ACTS.get(s.hidden_act)
         if self._act_mul is None:
