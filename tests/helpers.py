@@ -127,7 +127,8 @@ def prepare_all(spec, tokenizer, max_len):
 
 def write_gguf(path, model, arch: str, tokenizer_gguf, rope_factors=None):
     """A float32 GGUF of a transformers model as llama.cpp lays it out (its tensor names, Phi-3's
-    fused projections, the Qwen MoEs' stacked experts), with the metadata transformers reads and
+    fused projections, the Qwen MoEs' stacked experts, Gemma's 1 + w norms and soft caps), with the
+    metadata transformers reads and
     the tokenizer of another GGUF (the bundled SmolLM2's: the model's vocabulary must match it).
     rope_factors: (long, short) LongRoPE factors, stored as llama.cpp stores them (tensors)."""
     import numpy as np
@@ -146,7 +147,14 @@ def write_gguf(path, model, arch: str, tokenizer_gguf, rope_factors=None):
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters
+    w.add_rope_freq_base((rope.get("full_attention") or rope)["rope_theta"])
+    if "sliding_attention" in rope:  # Gemma 3
+        w.add_float32(f"{arch}.rope.freq_base_swa", rope["sliding_attention"]["rope_theta"])
+        w.add_uint32(f"{arch}.attention.sliding_window_pattern", cfg.layer_types.index("full_attention") + 1)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2
+        if getattr(cfg, key, None):
+            w.add_float32(f"{arch}.{key}", getattr(cfg, key))
     w.add_key_length(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     if getattr(cfg, "num_experts", None):
         w.add_expert_count(cfg.num_experts)
@@ -173,6 +181,8 @@ def write_gguf(path, model, arch: str, tokenizer_gguf, rope_factors=None):
     w.add_eos_token_id(int(tok.fields["tokenizer.ggml.eos_token_id"].parts[-1][0]))
     for name, t in model.state_dict().items():
         t = t.detach().float().numpy()
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            t = t + 1.0  # llama.cpp stores Gemma's (1 + w)
         if name in to_gguf:
             w.add_tensor(to_gguf[name], t)
             continue

@@ -13,7 +13,7 @@ from batchgen.llm import Engine, GenerationRequest
 from batchgen.models.loader import load_checkpoint, resolve_model
 from batchgen.plan import shape_from_config
 from helpers import engine_specs, tiny_hf_model, write_gguf
-from test_engine import IdTokenizer, hf_greedy, prompts
+from test_engine import IdTokenizer, _assert_top5_close, engine, hf_greedy, prompts
 
 FAMILIES = ["phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel tests run on a GPU where there is one
@@ -33,9 +33,11 @@ def test_family_greedy_equals_transformers_from_memory_and_folder(tmp_path, fami
     Mixtral's w1/w3/w2 names, Phi-3's qkv_proj/gate_up_proj)."""
     model = tiny_hf_model(family, seed=7)
     ps = prompts(seed=2)
-    want = hf_greedy(model, ps, 10)
+    want = hf_greedy(model, ps, 32)
     exact = dict(linear_path="plain", decode_attention="exact")
-    assert generate(model, ps, 10, **exact) == want
+    assert generate(model, ps, 32, **exact) == want
+    # Chunked prefill (13-token steps) on the same path.
+    assert generate(model, ps, 32, max_num_batched_tokens=13, **exact) == want
     model.save_pretrained(tmp_path / family)
     names = json.dumps(sorted(__import__("safetensors").safe_open(str(tmp_path / family / "model.safetensors"),
                                                                    "pt").keys()))
@@ -44,7 +46,22 @@ def test_family_greedy_equals_transformers_from_memory_and_folder(tmp_path, fami
     if family == "phi3":
         assert "qkv_proj" in names and "gate_up_proj" in names
     ckpt = load_checkpoint(resolve_model(str(tmp_path / family)))
-    assert generate(ckpt, ps, 10, **exact) == want
+    assert generate(ckpt, ps, 32, **exact) == want
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_prefix_hit_keeps_transformers_tokens(family):
+    """Prompts sharing a 48-token prefix, one at a time: the later ones start from the first one's
+    cached blocks and still give transformers' greedy tokens."""
+    model = tiny_hf_model(family, seed=7)
+    prefix = prompts(seed=5, lengths=(48,))[0]
+    ps = [prefix + tail for tail in prompts(seed=6, lengths=(7, 12, 20))]
+    e = Engine(model, IdTokenizer(), *engine_specs(kv_cache_gib=0.02, max_num_seqs=1, linear_path="plain",
+                                                  decode_attention="exact"))
+    sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    res = {r.request_id: r for r in e.generate(GenerationRequest(str(i), p, sp) for i, p in enumerate(ps))}
+    assert [res[str(i)].token_ids for i in range(3)] == hf_greedy(model, ps, 32)
+    assert [res[str(i)].cached_tokens for i in range(3)] == [0, 48, 48]
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
@@ -57,6 +74,15 @@ def test_moe_default_cpu_path_agrees_with_transformers(family):
     got = generate(model, ps, 8)
     same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
     assert same >= 0.9 * sum(map(len, want)), (got, want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_fast_paths_pass_the_top5_rule(family, dtype):
+    """The default CPU path in fp32 and bf16 against the exact path, by vLLM's closeness rule."""
+    model = tiny_hf_model(family, seed=13)
+    _assert_top5_close(engine(model, dtype=dtype), engine(model, linear_path="plain", decode_attention="exact"),
+                       prompts(seed=3))
 
 
 def sharpen_attention(model, by=12.0):
@@ -184,11 +210,18 @@ def test_gguf_of_phi3_and_the_qwen_moes_gives_the_models_tokens(tmp_path, smol_s
     assert generate(ckpt, ps, 12, linear_path="plain", decode_attention="exact") == hf_greedy(model, ps, 12)
 
 
-def test_gemma_gguf_is_refused_from_its_header(tmp_path):
-    """transformers' GGUF config for Gemma lacks its soft caps, query_pre_attn_scalar and rope
-    scaling: such a file is refused from its header rather than run wrong."""
-    with pytest.raises(ConfigError, match="GGUF architecture 'gemma2' is not supported.*phi3, qwen2moe"):
-        resolve_model(str(header_only_gguf(tmp_path / "g.gguf", "gemma2")))
+@pytest.mark.parametrize("family, arch", [("gemma2", "gemma2"), ("gemma3_text", "gemma3")])
+def test_gemma_gguf_gives_the_models_tokens(tmp_path, smol_source, family, arch):
+    """Gemma GGUFs as llama.cpp writes them (norms stored as 1 + w, Gemma's own norm names, soft
+    caps and Gemma 3's local rope base and layer pattern in the metadata): the soft caps, layer
+    kinds and per-kind rope, missing from transformers' GGUF config, come from the file; the query
+    scale is llama.cpp's rule (head_dim below 27B, which the file cannot say otherwise)."""
+    model = sharpen_attention(tiny_hf_model(family, vocab_size=49152, seed=5, query_pre_attn_scalar=16), by=4.0)
+    gguf = write_gguf(tmp_path / f"{family}.gguf", model, arch, smol_source.gguf_file)
+    ckpt = load_checkpoint(resolve_model(str(gguf)))
+    assert ckpt.config.model_type == family and "full_attention" in ckpt.config.layer_types
+    ps = prompts(seed=8, lengths=(5, 30, 60, 17, 84))
+    assert generate(ckpt, ps, 32, linear_path="plain", decode_attention="exact") == hf_greedy(model, ps, 32)
 
 
 def test_mixtral_gguf_is_refused_from_its_header(tmp_path):

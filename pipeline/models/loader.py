@@ -182,10 +182,8 @@ def gguf_architecture(path: Path) -> str | None:
 
 
 # GGUF's architecture names for the model types above (Mistral checkpoints are written as llama).
-# Gemma GGUFs stay refused: transformers' GGUF config for them leaves out the soft caps,
-# query_pre_attn_scalar and Gemma 3's rope scaling, so a model read through it would run wrong.
 _GGUF_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
-               "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+               "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma2": "gemma2", "gemma3": "gemma3_text"}
 _GGUF_MOE = ("qwen2moe", "qwen3moe")
 
 
@@ -258,13 +256,24 @@ def ensure_local(source: ModelSource) -> Path:
     return target
 
 
+# llama.cpp's Gemma 2 and Gemma 3 27B (by block count) scale queries by hidden / heads instead of
+# head_dim; the file stores no query_pre_attn_scalar, so this is how llama.cpp itself runs them.
+_GEMMA_27B_BLOCKS = {"gemma2": 46, "gemma3": 62}
+
+
 def _complete_gguf_config(cfg, gguf: Path) -> None:
     """What transformers' GGUF config leaves out but the file says, written into cfg: the MoE
     sizes (its defaults are one model's), which layers are dense (blocks without expert tensors),
-    Phi-3's sliding window and LongRoPE factors (stored as tensors)."""
+    Phi-3's sliding window and LongRoPE factors (stored as tensors), Gemma's soft caps, query
+    scale, layer pattern and rope scaling."""
     arch = gguf_architecture(gguf)
-    meta = gguf_metadata(gguf, {f"{arch}.expert_feed_forward_length", f"{arch}.expert_shared_feed_forward_length",
-                                f"{arch}.attention.sliding_window", f"{arch}.rope.scaling.original_context_length"})
+    meta = gguf_metadata(gguf, {f"{arch}.{k}" for k in (
+        "expert_feed_forward_length", "expert_shared_feed_forward_length", "attention.sliding_window",
+        "rope.scaling.original_context_length", "attn_logit_softcapping", "final_logit_softcapping",
+        "rope.scaling.type", "rope.scaling.factor", "rope.freq_base", "rope.freq_base_swa",
+        "attention.sliding_window_pattern")})
+    if arch in ("gemma2", "gemma3"):
+        _complete_gemma_config(cfg, arch, {k[len(arch) + 1:]: v for k, v in meta.items()})
     if arch in _GGUF_MOE:
         if f"{arch}.expert_feed_forward_length" in meta:
             cfg.moe_intermediate_size = int(meta[f"{arch}.expert_feed_forward_length"])
@@ -288,6 +297,25 @@ def _complete_gguf_config(cfg, gguf: Path) -> None:
                                        meta.get(f"{arch}.rope.scaling.original_context_length")
                                        or cfg.max_position_embeddings)}
             cfg.original_max_position_embeddings = cfg.rope_parameters["original_max_position_embeddings"]
+
+
+def _complete_gemma_config(cfg, arch: str, meta: dict) -> None:
+    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    big = cfg.num_hidden_layers == _GEMMA_27B_BLOCKS[arch]
+    cfg.query_pre_attn_scalar = cfg.hidden_size // cfg.num_attention_heads if big else head_dim
+    if arch == "gemma2":
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if key in meta:
+                setattr(cfg, key, float(meta[key]))
+        return
+    every = meta.get("attention.sliding_window_pattern") or 6
+    cfg.layer_types = ["sliding_attention" if (i + 1) % every else "full_attention"
+                       for i in range(cfg.num_hidden_layers)]
+    full = {"rope_type": "default", "rope_theta": float(meta.get("rope.freq_base", 1e6))}
+    if meta.get("rope.scaling.type") == "linear" and meta.get("rope.scaling.factor"):
+        full.update(rope_type="linear", factor=float(meta["rope.scaling.factor"]))
+    cfg.rope_parameters = {"full_attention": full, "sliding_attention": {
+        "rope_type": "default", "rope_theta": float(meta.get("rope.freq_base_swa", 1e4))}}
 
 
 def _gguf_tensor_names(gguf: Path) -> list[str]:
@@ -320,8 +348,11 @@ _GGUF_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
                "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
                "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
                "ffn_down_exps": "mlp.experts.down_proj"}
-# Per architecture, where it differs: Phi-3's ffn_up is the fused gate_up_proj.
-_GGUF_ARCH_LAYER = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Per architecture, where it differs: Phi-3's ffn_up is the fused gate_up_proj; Gemma's ffn_norm
+# is the norm before the MLP, beside its norms after attention and after the MLP.
+_GEMMA_LAYER = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_GGUF_ARCH_LAYER = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER}
 
 
 def _hf_name(name: str, arch: str | None = None) -> str | None:
@@ -363,6 +394,8 @@ def gguf_tensors(path: Path, config, dtype):
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             data = _unpermute(data, heads)
+        if arch in _GEMMA_27B_BLOCKS and name.endswith("norm.weight"):
+            data -= 1.0  # llama.cpp stores Gemma's norm weights as 1 + w
         tensor = torch.from_numpy(np.ascontiguousarray(data)).to(dtype)
         if name.endswith("shared_expert_gate.weight"):
             tensor = tensor.reshape(1, -1)  # [hidden] in GGUF, [1, hidden] in transformers
