@@ -12,7 +12,7 @@ from .engine.request import Request, SamplingParams
 from .engine.scheduler import Scheduler, SchedulerConfig
 from .runner import build
 from .runner.model import CausalLM
-from .runner.model_runner import KVCache, ModelRunner, keep_freed_memory
+from .runner.model_runner import KVCache, ModelRunner, keep_freed_memory, release_freed_memory
 from .runner.sampler import Sampler
 from .shapes import ModelShape
 
@@ -94,10 +94,16 @@ class Engine:
         self.dtype = build.resolve_dtype(model.dtype, self.device)
         self.kv_dtype = build.resolve_kv_dtype(spec.kv_cache_dtype, self.dtype)
         self.backend = backend = build.choose_backend(spec, self.device, self.kv_dtype)
+        def layer_loaded(i: int) -> None:
+            release_freed_memory()
+            if on_layer is not None:
+                on_layer(i)
+
+        self.model = CausalLM(checkpoint, self.dtype, str(self.device), backend.linear_path, backend.fused_ops,
+                              layer_loaded)
+        # Kept freed memory serves the steps; set only now, so that loading returns what it frees.
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.model = CausalLM(checkpoint, self.dtype, str(self.device), backend.linear_path, backend.fused_ops,
-                              on_layer)
         shape: ModelShape = self.model.shape
         self.max_model_len = min(spec.max_model_len or shape.max_position, shape.max_position)
         # The sliding layers' window (every layer's in Mistral-style models), or None.

@@ -55,6 +55,19 @@ def keep_freed_memory() -> bool:
         return False
 
 
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS now (glibc malloc_trim; a no-op elsewhere). The
+    loader calls it after each layer: a layer's source tensors and packing temporaries are freed
+    in an order that leaves holes the next layer's larger tensors cannot reuse, and kept, those
+    holes added up to hundreds of MiB of peak resident memory on a 1B model, varying run to run."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def host_zeros(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed host tensor that costs nothing until it is written: an anonymous mapping, which
     the kernel fills with zero pages on first touch, so a multi-GiB KV cache takes neither time
