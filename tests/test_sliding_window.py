@@ -45,3 +45,19 @@ def test_window_bounds_kv_per_sequence(windowed):
     list(e.generate([GenerationRequest("long", ps[3], sp)]))  # 100 + 60 tokens = 10 blocks without a window
     bound = cdiv(window + 16, 16) + 1
     assert e.scheduler.stats.peak_kv_blocks <= bound < 10
+
+
+def test_qwen2_max_window_layers_runs_mixed_layers_on_hybrid_kv():
+    """Qwen2 with use_sliding_window and max_window_layers: full attention below that layer,
+    the window above it (transformers' layer_types), one KV group each; greedy tokens equal
+    transformers' with prompts longer than the window."""
+    from test_families import sharpen_attention
+
+    model = sharpen_attention(tiny_hf_model("qwen2", seed=3, use_sliding_window=True, sliding_window=24,
+                                            max_window_layers=1), by=4.0)
+    assert model.config.layer_types == ["full_attention", "sliding_attention"]
+    ps = prompts(seed=2, lengths=(5, 30, 60, 84))
+    e, res = _run(model, ps, decode_attention="exact", linear_path="plain")
+    assert e.model.shape.kv_groups == (None, 24)
+    assert [res[str(i)] for i in range(len(ps))] == hf_greedy(model, ps, 30)
+    e.kv_manager.check_all_free()
