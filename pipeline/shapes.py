@@ -19,7 +19,8 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
+def config_get(cfg: Any, key: str, default: Any = None) -> Any:
+    """cfg[key] of a config.json dict, or the attribute of a transformers config object."""
     if isinstance(cfg, dict):
         return cfg.get(key, default)
     return getattr(cfg, key, default)
@@ -73,53 +74,53 @@ class ModelShape:
         cfg = text_config(cfg)
 
         def need(key: str) -> Any:
-            v = _get(cfg, key)
+            v = config_get(cfg, key)
             if v is None:
                 raise KeyError(key)
             return v
 
         heads = need("num_attention_heads")
         hidden = need("hidden_size")
-        model_type = _get(cfg, "model_type", "llama")
+        model_type = config_get(cfg, "model_type", "llama")
         layers = need("num_hidden_layers")
         windows = layer_windows(cfg, layers)
         window = next((w for w in windows if w), None)
-        head_dim = _get(cfg, "head_dim") or hidden // heads
+        head_dim = config_get(cfg, "head_dim") or hidden // heads
         gemma = model_type in GEMMA_TYPES
         extra: dict[str, Any] = {}
         if gemma:
             extra = dict(gemma=True, embed_scale=hidden ** 0.5,
-                         attn_scale=float(_get(cfg, "query_pre_attn_scalar") or head_dim) ** -0.5,
-                         hidden_act=_get(cfg, "hidden_activation") or _get(cfg, "hidden_act") or "gelu_pytorch_tanh",
-                         attn_softcap=float(_get(cfg, "attn_logit_softcapping") or 0.0),
-                         final_softcap=float(_get(cfg, "final_logit_softcapping") or 0.0))
+                         attn_scale=float(config_get(cfg, "query_pre_attn_scalar") or head_dim) ** -0.5,
+                         hidden_act=config_get(cfg, "hidden_activation") or config_get(cfg, "hidden_act") or "gelu_pytorch_tanh",
+                         attn_softcap=float(config_get(cfg, "attn_logit_softcapping") or 0.0),
+                         final_softcap=float(config_get(cfg, "final_logit_softcapping") or 0.0))
         moe: dict[str, Any] = {}
         if model_type == "mixtral":
             moe = dict(num_experts=need("num_local_experts"), experts_per_token=need("num_experts_per_tok"),
                        expert_intermediate_size=need("intermediate_size"), norm_topk_prob=True,
                        moe_layers=tuple(range(layers)))
-        elif model_type in ("qwen2_moe", "qwen3_moe") and (experts := _get(cfg, "num_experts")
-                                                          or _get(cfg, "num_local_experts") or 0) > 0:
-            step, dense = _get(cfg, "decoder_sparse_step", 1) or 1, set(_get(cfg, "mlp_only_layers") or ())
+        elif model_type in ("qwen2_moe", "qwen3_moe") and (experts := config_get(cfg, "num_experts")
+                                                          or config_get(cfg, "num_local_experts") or 0) > 0:
+            step, dense = config_get(cfg, "decoder_sparse_step", 1) or 1, set(config_get(cfg, "mlp_only_layers") or ())
             moe = dict(num_experts=experts, experts_per_token=need("num_experts_per_tok"),
                        expert_intermediate_size=need("moe_intermediate_size"),
-                       shared_expert_intermediate_size=_get(cfg, "shared_expert_intermediate_size", 0) or 0,
-                       norm_topk_prob=bool(_get(cfg, "norm_topk_prob", False)),
+                       shared_expert_intermediate_size=config_get(cfg, "shared_expert_intermediate_size", 0) or 0,
+                       norm_topk_prob=bool(config_get(cfg, "norm_topk_prob", False)),
                        moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0))
         return cls(
             model_type=model_type,
             num_layers=layers,
             hidden_size=hidden,
             num_heads=heads,
-            num_kv_heads=_get(cfg, "num_key_value_heads") or heads,
+            num_kv_heads=config_get(cfg, "num_key_value_heads") or heads,
             head_dim=head_dim,
             intermediate_size=need("intermediate_size"),
             vocab_size=need("vocab_size"),
-            max_position=_get(cfg, "max_position_embeddings", 0) or 0,
-            rms_eps=_get(cfg, "rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
-            qkv_bias=(model_type == "qwen2" or (model_type == "qwen2_moe" and bool(_get(cfg, "qkv_bias", True)))
-                      or bool(_get(cfg, "attention_bias", False))),
+            max_position=config_get(cfg, "max_position_embeddings", 0) or 0,
+            rms_eps=config_get(cfg, "rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(config_get(cfg, "tie_word_embeddings", False)),
+            qkv_bias=(model_type == "qwen2" or (model_type == "qwen2_moe" and bool(config_get(cfg, "qkv_bias", True)))
+                      or bool(config_get(cfg, "attention_bias", False))),
             sliding_window=window,
             layer_windows=windows,
             **moe,
@@ -194,9 +195,11 @@ TEXT_PARTS = {"gemma3": ("model.language_model.", "language_model.model.")}
 
 def text_config(cfg: Any) -> Any:
     """The language model's config of a multimodal wrapper (Gemma 3's text_config), else cfg."""
-    if _get(cfg, "model_type") in TEXT_PARTS and _get(cfg, "text_config") is not None:
-        return _get(cfg, "text_config")
+    if config_get(cfg, "model_type") in TEXT_PARTS and config_get(cfg, "text_config") is not None:
+        return config_get(cfg, "text_config")
     return cfg
+
+
 # Families with per-head RMSNorms on q and k before the rotary embedding.
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
 # Layer kinds of a config's `layer_types` and whether each is windowed.
@@ -207,13 +210,13 @@ def layer_windows(cfg: Any, num_layers: int) -> tuple[int | None, ...]:
     """Each layer's attention window from `layer_types` (Gemma 2/3, Qwen2's max_window_layers),
     else the uniform `sliding_window` (Mistral; Qwen2 only with use_sliding_window). Raises
     ValueError naming a layer kind other than full or sliding attention."""
-    window = _get(cfg, "sliding_window")
-    kinds = _get(cfg, "layer_types")
-    model_type = _get(cfg, "model_type")
+    window = config_get(cfg, "sliding_window")
+    kinds = config_get(cfg, "layer_types")
+    model_type = config_get(cfg, "model_type")
     if not kinds and model_type in GEMMA_TYPES and window:
         # An older config.json without layer_types: Gemma 2 alternates (sliding first), Gemma 3
         # has one full layer in every sliding_window_pattern (transformers' derivation).
-        every = 2 if model_type == "gemma2" else (_get(cfg, "sliding_window_pattern") or 6)
+        every = 2 if model_type == "gemma2" else (config_get(cfg, "sliding_window_pattern") or 6)
         kinds = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)]
     if kinds:
         if len(kinds) != num_layers:
@@ -224,14 +227,14 @@ def layer_windows(cfg: Any, num_layers: int) -> tuple[int | None, ...]:
             if LAYER_KINDS[kind] and not window:
                 raise ValueError(f"layer {i} is {kind} but the config has no sliding_window")
         return tuple(int(window) if LAYER_KINDS[k] else None for k in kinds)
-    uniform = int(window) if window and _get(cfg, "use_sliding_window", True) else None
+    uniform = int(window) if window and config_get(cfg, "use_sliding_window", True) else None
     return (uniform,) * num_layers
 
 
 def rope_parameters(cfg: Any) -> Any:
     """A config's rotary-embedding parameters as written (a transformers config or a config.json
     dict; transformers 5's `rope_parameters` or the older `rope_scaling`), {} where it has none."""
-    return _get(cfg, "rope_parameters") or _get(cfg, "rope_scaling") or {}
+    return config_get(cfg, "rope_parameters") or config_get(cfg, "rope_scaling") or {}
 
 
 def rope_kind(rope: dict) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 from ..cache import cache_root
 from ..digest import file_sha256
 from ..errors import ConfigError
-from ..shapes import LAYER_KINDS, layer_windows, rope_kind, rope_parameters, text_config
+from ..shapes import LAYER_KINDS, config_get, layer_windows, rope_kind, rope_parameters, text_config
 
 log = logging.getLogger("batchgen")
 
@@ -56,8 +56,7 @@ def default_gguf() -> Path:
 def check_config(cfg, where: str) -> None:
     """Refuse, from the config alone, what the runner does not implement (model type, rope,
     layer kinds); a multimodal wrapper's language model is what is checked."""
-    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
-    check_model_type(get("model_type"), where)
+    check_model_type(config_get(cfg, "model_type"), where)
     text = text_config(cfg)
     check_rope(text, where)
     check_layers(text, where)
@@ -72,7 +71,6 @@ def check_model_type(model_type: str | None, where: str) -> None:
 def check_rope(cfg, where: str) -> None:
     """Refuse a rope scaling or partial rotary embedding the runner does not implement, from the
     config alone (a dict from config.json or a transformers config)."""
-    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
     rope = rope_parameters(cfg)
     if not isinstance(rope, dict):
         raise ConfigError(f"model: {where}: rope parameters {rope!r} are not a mapping")
@@ -86,7 +84,7 @@ def check_rope(cfg, where: str) -> None:
         if kind not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(f"model: {where}: rope scaling {kind!r}{at} is not supported (supported: "
                               f"{', '.join(SUPPORTED_ROPE_TYPES)}); refusing rather than running it wrong")
-        partial = params.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
+        partial = params.get("partial_rotary_factor", config_get(cfg, "partial_rotary_factor", 1.0))
         if partial not in (None, 1, 1.0):
             raise ConfigError(f"model: {where}: partial_rotary_factor {partial}{at} is not supported (only "
                               "full-width rotary embeddings)")
@@ -95,12 +93,11 @@ def check_rope(cfg, where: str) -> None:
 def check_layers(cfg, where: str) -> None:
     """Refuse layer kinds other than full and sliding attention, and Gemma 3's bidirectional
     (embedding) variant, from the config alone."""
-    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
     try:
-        layer_windows(cfg, get("num_hidden_layers") or 0)
+        layer_windows(cfg, config_get(cfg, "num_hidden_layers") or 0)
     except ValueError as e:
         raise ConfigError(f"model: {where}: {e}") from None
-    if get("use_bidirectional_attention"):
+    if config_get(cfg, "use_bidirectional_attention"):
         raise ConfigError(f"model: {where}: use_bidirectional_attention (an embedding model) is not supported: "
                           "batchgen generates with causal attention")
 

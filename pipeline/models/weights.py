@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from ..shapes import TEXT_PARTS, text_config
+from ..shapes import TEXT_PARTS, config_get, text_config
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -165,7 +165,7 @@ class TextModelWeights:
 def text_part(weights, config):
     """(weights, config) of the language model where config is a multimodal wrapper's (Gemma 3),
     else as given."""
-    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    model_type = config_get(config, "model_type")
     prefixes = TEXT_PARTS.get(model_type)
     if not prefixes:
         return weights, config

@@ -155,13 +155,12 @@ class KVCache:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, sampler: Sampler | None = None,
-                 decode_mode: str = "batched", backend: str = "torch", window: int | None = None, graphs=None,
-                 constraints=None, windows: tuple[int | None, ...] | None = None) -> None:
+                 decode_mode: str = "batched", backend: str = "torch", graphs=None, constraints=None,
+                 windows: tuple[int | None, ...] = (None,)) -> None:
         """graphs: a DecodeGraphs (CUDA with the Triton backend) that decode-only steps replay;
         constraints: a guided.Constraints (structured output), made when a request needs one;
-        windows: each KV group's attention window with hybrid KV (else the one `window`)."""
-        self.windows = tuple(windows) if windows else (window,)
-        self.window = self.windows[0] if len(self.windows) == 1 else None
+        windows: each KV group's attention window (ModelShape.kv_groups; None: full attention)."""
+        self.windows = tuple(windows)
         self.model = model
         self.kv = kv_cache
         self.decode_mode = decode_mode
