@@ -1,8 +1,9 @@
 """The C++ CPU attention ops against the torch path they replace, side by side in one run.
 
-    .venv/bin/python examples/bench_cpu_attention.py [--reps 9]
+    .venv/bin/python examples/bench_cpu_attention.py [--reps 9] [--shape 12,2,128] [--decode-only]
 
-Prefill: whole prompts of SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64) through the
+Prefill: whole prompts of SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64; --shape
+HEADS,KV_HEADS,HEAD_DIM takes another, e.g. 12,2,128 for Qwen2.5-1.5B) through the
 op (K/V read from a paged cache) and through per-sequence causal SDPA (the torch path), in fp32
 and bf16; GFLOP/s count the causal half, 4 * n^2 / 2 * heads * head_dim per sequence.
 Decode: 256 decodes over 50-1,200-token contexts, op against the torch path's padded buckets,
@@ -124,11 +125,16 @@ def bench_decode(reps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--shape", default="9,3,64", help="query heads, KV heads, head_dim")
+    ap.add_argument("--decode-only", action="store_true")
     args = ap.parse_args()
+    global HEADS, KVH, D
+    HEADS, KVH, D = (int(x) for x in args.shape.split(","))
     if not ca.available():
         raise SystemExit("the C++ ops could not be built here (see the warning above)")
-    print(f"threads: {torch.get_num_threads()}")
-    bench_prefill(args.reps)
+    print(f"threads: {torch.get_num_threads()}; {HEADS} query heads, {KVH} KV heads, head_dim {D}")
+    if not args.decode_only:
+        bench_prefill(args.reps)
     bench_decode(args.reps)
 
 

@@ -32,7 +32,9 @@ LENS = [1, 15, 16, 17, 33, 200, 64]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kvh", [(4, 4), (9, 3), (16, 2), (12, 1)])  # GQA 1, 3, 8 and 12 (generic)
+# GQA 1, 3 (registers kernel), 6, 7 and 8 (tiled kernel: 3-head score tiles and a 1-head tail),
+# 12 (generic)
+@pytest.mark.parametrize("heads,kvh", [(4, 4), (9, 3), (12, 2), (14, 2), (16, 2), (12, 1)])
 @pytest.mark.parametrize("d", [64, 128, 256, 32])  # 32: the generic (non-AVX-512-specialised) kernel
 @pytest.mark.parametrize("bs", [16, 32])
 def test_op_matches_reference(dtype, heads, kvh, d, bs):
@@ -56,15 +58,16 @@ def test_lo_hi_select_a_window_and_an_empty_range_gives_zeros():
     torch.testing.assert_close(out[3:], ref1)  # one key: softmax is exactly 1, out is that V row
 
 
-def test_int8_cache_with_scales():
+@pytest.mark.parametrize("heads,kvh", [(9, 3), (15, 3)])  # both AVX-512 kernels (3 and 5 heads a group)
+def test_int8_cache_with_scales(heads, kvh):
     from batchgen.runner.attention import QuantCache
 
-    q, kc, vc, tables, lo, hi = _case(9, 3, 64, 16, LENS, torch.float32)
-    kq = QuantCache(kc.shape[0], 16, 3, 64, "cpu")
-    vq = QuantCache(kc.shape[0], 16, 3, 64, "cpu")
+    q, kc, vc, tables, lo, hi = _case(heads, kvh, 64, 16, LENS, torch.float32)
+    kq = QuantCache(kc.shape[0], 16, kvh, 64, "cpu")
+    vq = QuantCache(kc.shape[0], 16, kvh, 64, "cpu")
     slots = torch.arange(kc.shape[0] * 16)
-    kq.store(kc.view(-1, 3, 64), slots)
-    vq.store(vc.view(-1, 3, 64), slots)
+    kq.store(kc.view(-1, kvh, 64), slots)
+    vq.store(vc.view(-1, kvh, 64), slots)
     out = ca.paged_decode(q, kq.data, vq.data, tables, lo, hi, 0.125, kq.scale, vq.scale)
     ref, _ = ca.paged_decode_reference(q, kq.data, vq.data, tables, lo, hi, 0.125, kq.scale, vq.scale)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -234,6 +237,25 @@ def test_silu_mul(dtype):
     gu = torch.randn(9, 2 * 1536, generator=torch.Generator().manual_seed(5)).to(dtype)
     want = torch.nn.functional.silu(gu[:, :1536].float()) * gu[:, 1536:].float()
     torch.testing.assert_close(ca.silu_mul(gu).float(), want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("rows", [385, 1000, 2048])  # over the untiled limit: a ragged and whole last tile
+def test_dense_mlp_in_row_tiles_equals_the_whole_mlp(rows):
+    from batchgen.runner.linear import Linear, onednn_available
+    from batchgen.runner.moe import CPU_MLP_TILE, DenseMLP
+
+    if not onednn_available():
+        pytest.skip("no oneDNN: the MLP is not tiled")
+    g = torch.Generator().manual_seed(6)
+    gate_up, down = torch.randn(2 * 96, 64, generator=g) * 0.1, torch.randn(64, 96, generator=g) * 0.1
+    mlp = DenseMLP(Linear(gate_up, None, "onednn"), Linear(down, None, "onednn"))
+    x = torch.randn(rows, 64, generator=g)
+    calls = []
+    act = lambda t: calls.append(t.shape[0]) or ca.silu_mul(t)  # noqa: E731
+    got = mlp(x, act)
+    assert max(calls) <= CPU_MLP_TILE and sum(calls) == rows  # it did run in tiles
+    want = torch.nn.functional.linear(ca.silu_mul(torch.nn.functional.linear(x, gate_up)), down)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_silu_mul_accuracy_over_the_whole_range():

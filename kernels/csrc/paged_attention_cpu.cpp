@@ -137,11 +137,12 @@ inline __m256 transpose_sum8(const __m512* a) {
   return _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, e));
 }
 
-// One sequence, every KV head, G query heads per KV head of ND x 16 dims. Walking block by block
+// One sequence, every KV head, G query heads per KV head of ND x 16 dims, with all G x D query
+// values and accumulators held as registers (groups of up to 3; see decode_seq_tiled). Walking block by block
 // and head by head inside a block reads each block as one contiguous span (one (sequence, head)
 // per work item would stride over the other heads' rows and stall on its loads).
 template <int G, int ND, typename KT>
-void decode_seq_avx512(float* o, float* lse, const float* q, const KT* kc, const KT* vc, const float* ks,
+void decode_seq_regs(float* o, float* lse, const float* q, const KT* kc, const KT* vc, const float* ks,
                        const float* vs, const int64_t* table, int64_t lo, int64_t hi, int64_t kvh, int64_t bs,
                        float scale, float softcap, float* scores, float* acc_mem, const KT* next_k) {
   constexpr int D = ND * 16;
@@ -218,6 +219,112 @@ void decode_seq_avx512(float* o, float* lse, const float* q, const KT* kc, const
   std::memcpy(o, acc_mem, sizeof(float) * kvh * G * D);
 }
 
+// Scores of GT query heads (a tile of one KV head's group) over the rows of one block, read in
+// place: sc[g * len + i] = q[g] . k[slot0 + i] (times the int8 scale), 8 rows at a time. The GT x
+// 8 partial sums, the GT query slices and one K slice stay in registers (GT <= 3: 28 of 32).
+// `next` (the first tile only) prefetches the next block's rows, spread over the slices (a burst
+// of a whole block's lines overflowed the miss queues).
+template <int GT, int ND, typename KT>
+inline void scores_tile(float* sc, int64_t len, const float* q, const KT* kbase, int64_t slot0, int64_t cnt,
+                        int64_t row, const float* ks, int64_t kvh, int64_t h, const KT* next) {
+  constexpr int D = ND * 16;
+  for (int64_t i0 = 0; i0 < cnt; i0 += 8) {
+    const int64_t n8 = std::min<int64_t>(8, cnt - i0);
+    const KT* kr[8];
+    for (int i = 0; i < 8; ++i) kr[i] = kbase + (slot0 + i0 + std::min<int64_t>(i, n8 - 1)) * row;
+    __m512 acc[GT][8];
+    for (int g = 0; g < GT; ++g)
+      for (int i = 0; i < 8; ++i) acc[g][i] = _mm512_setzero_ps();
+    for (int j = 0; j < ND; ++j) {
+      if (next)
+        for (int r = j * 8 / ND; r < (j + 1) * 8 / ND; ++r) prefetch_row<D>(next + (i0 + r) * row);
+      __m512 qj[GT];
+      for (int g = 0; g < GT; ++g) qj[g] = _mm512_loadu_ps(q + g * D + j * 16);
+      for (int i = 0; i < 8; ++i) {
+        const __m512 kv = load16(kr[i] + j * 16);
+        for (int g = 0; g < GT; ++g) acc[g][i] = _mm512_fmadd_ps(qj[g], kv, acc[g][i]);
+      }
+    }
+    const __mmask8 valid = static_cast<__mmask8>((1u << n8) - 1u);
+    __m256 ksc = _mm256_set1_ps(1.f);
+    if (ks) {
+      float k8[8];
+      for (int i = 0; i < 8; ++i) k8[i] = ks[(slot0 + i0 + std::min<int64_t>(i, n8 - 1)) * kvh + h];
+      ksc = _mm256_loadu_ps(k8);
+    }
+    for (int g = 0; g < GT; ++g)
+      _mm256_mask_storeu_ps(sc + g * len + i0, valid, _mm256_mul_ps(transpose_sum8(acc[g]), ksc));
+  }
+}
+
+// The same for groups of 4 or more query heads per KV head, in register tiles that fit any G and D: the scores in tiles of up to 3 query heads (each tile reads the block's K rows
+// again, from L1), the weighted sum of V in slices of DC x 16 dims for all G heads at once (G x
+// DC accumulators). The kernel before this kept all G x D query values and accumulators in
+// registers and spilled them from G x D = 3 x 64 on; at 4 heads and more this runs 1.1-1.4x its
+// speed (6 x 128, Qwen2.5-1.5B: 1.23x; 8 x 128, Qwen2.5-3B: 1.42x; examples/bench_cpu_attention.py),
+// and at 2-3 heads (head_dim 256 included) it was level or slower, so those keep it. Walking block by block and head by head
+// inside a block reads each block as one contiguous span. The last K block prefetches V's first
+// block, and the V pass's last block the next sequence's first K block (next_k), so no pass
+// starts cold.
+template <int G, int ND, typename KT>
+void decode_seq_tiled(float* o, float* lse, const float* q, const KT* kc, const KT* vc, const float* ks,
+                       const float* vs, const int64_t* table, int64_t lo, int64_t hi, int64_t kvh, int64_t bs,
+                       float scale, float softcap, float* scores, float* acc_mem, const KT* next_k) {
+  constexpr int D = ND * 16;
+  constexpr int DC = G <= 2 ? (ND < 8 ? ND : 8) : G <= 6 ? 4 : 2;  // G x DC + DC <= 28 registers
+  static_assert(ND % DC == 0, "head_dim slices must divide the head");
+  const int64_t len = hi - lo;
+  const int64_t row = kvh * D;
+  float* qs = acc_mem + kvh * G * D;  // [kvh * G, D], the scaled queries
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < kvh * G * ND; ++i)
+    _mm512_storeu_ps(qs + i * 16, _mm512_mul_ps(_mm512_loadu_ps(q + i * 16), vscale));
+  walk_blocks(table, lo, hi, bs, [&](int64_t slot0, int64_t cnt, int64_t at, int64_t nxt) {
+    for (int64_t h = 0; h < kvh; ++h) {
+      const KT* pf = nxt >= 0 ? kc + nxt * bs * row + h * D : vc + table[lo / bs] * bs * row + h * D;
+      float* sc = scores + h * G * len + at;
+      const float* qh = qs + h * G * D;
+      const KT* kb = kc + h * D;
+      int g0 = 0;
+      for (; g0 + 3 <= G; g0 += 3, pf = nullptr)
+        scores_tile<3, ND>(sc + g0 * len, len, qh + g0 * D, kb, slot0, cnt, row, ks, kvh, h, pf);
+      if (G - g0 == 2) scores_tile<2, ND>(sc + g0 * len, len, qh + g0 * D, kb, slot0, cnt, row, ks, kvh, h, pf);
+      if (G - g0 == 1) scores_tile<1, ND>(sc + g0 * len, len, qh + g0 * D, kb, slot0, cnt, row, ks, kvh, h, pf);
+    }
+  });
+  softmax_rows(scores, kvh * G, len, lse, softcap);
+  // Weighted sum of V: one pass over V; per block and head, the G heads' accumulators of one
+  // DC x 16 slice live in registers while the block's rows stream through.
+  std::fill(acc_mem, acc_mem + kvh * G * D, 0.f);
+  walk_blocks(table, lo, hi, bs, [&](int64_t slot0, int64_t cnt, int64_t at, int64_t nxt) {
+    for (int64_t h = 0; h < kvh; ++h) {
+      const KT* next = nxt >= 0 ? vc + nxt * bs * row + h * D : (next_k ? next_k + h * D : nullptr);
+      float* am = acc_mem + h * G * D;
+      const float* pr = scores + h * G * len + at;
+      for (int c = 0; c < ND; c += DC) {
+        __m512 acc[G][DC];
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < DC; ++j) acc[g][j] = _mm512_loadu_ps(am + g * D + (c + j) * 16);
+        for (int64_t i = 0; i < cnt; ++i) {
+          const int64_t slot = slot0 + i;
+          const KT* vp = vc + slot * row + h * D + c * 16;
+          if (c == 0 && next) prefetch_row<D>(next + i * row);
+          __m512 vv[DC];
+          for (int j = 0; j < DC; ++j) vv[j] = load16(vp + j * 16);
+          const float vsc = vs ? vs[slot * kvh + h] : 1.f;
+          for (int g = 0; g < G; ++g) {
+            const __m512 p = _mm512_set1_ps(pr[g * len + i] * vsc);
+            for (int j = 0; j < DC; ++j) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);
+          }
+        }
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < DC; ++j) _mm512_storeu_ps(am + g * D + (c + j) * 16, acc[g][j]);
+      }
+    }
+  });
+  std::memcpy(o, acc_mem, sizeof(float) * kvh * G * D);
+}
+
 using SeqFn = void (*)(float*, float*, const float*, const void*, const void*, const float*, const float*,
                        const int64_t*, int64_t, int64_t, int64_t, int64_t, float, float, float*, float*, const void*);
 
@@ -225,8 +332,9 @@ template <int G, int ND, typename KT>
 void seq_thunk(float* o, float* lse, const float* q, const void* kc, const void* vc, const float* ks, const float* vs,
                const int64_t* table, int64_t lo, int64_t hi, int64_t kvh, int64_t bs, float scale, float softcap,
                float* scores, float* acc, const void* next_k) {
-  decode_seq_avx512<G, ND, KT>(o, lse, q, static_cast<const KT*>(kc), static_cast<const KT*>(vc), ks, vs, table, lo,
-                               hi, kvh, bs, scale, softcap, scores, acc, static_cast<const KT*>(next_k));
+  constexpr auto fn = G <= 3 ? decode_seq_regs<G, ND, KT> : decode_seq_tiled<G, ND, KT>;
+  fn(o, lse, q, static_cast<const KT*>(kc), static_cast<const KT*>(vc), ks, vs, table, lo,
+     hi, kvh, bs, scale, softcap, scores, acc, static_cast<const KT*>(next_k));
 }
 
 template <int ND, typename KT>
@@ -280,7 +388,7 @@ bool decode_fast(void* out_v, float* lse, const void* q_v, int64_t q_stride, boo
     const int64_t begin = bounds[tb], end = bounds[te];
     FlushDenormals ftz;  // peaked softmaxes make tiny probabilities
     const int64_t hd = heads * d;
-    std::vector<float> scores, acc(hd), qbuf(bf16_io ? hd : 0), obuf(bf16_io ? hd : 0);
+    std::vector<float> scores, acc(2 * hd), qbuf(bf16_io ? hd : 0), obuf(bf16_io ? hd : 0);
     for (int64_t s = begin; s < end; ++s) {
       const int64_t lo = lo_p[s], hi = hi_p[s];
       float* o = bf16_io ? obuf.data() : static_cast<float*>(out_v) + s * hd;

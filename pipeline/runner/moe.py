@@ -26,13 +26,27 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# Rows per MLP tile on the CPU's oneDNN path. A 2,048-token prefill step writes a gate/up output of
+# 2,048 x 2I values (73 MB for a 1.5B model in bf16) that leaves the caches before the activation
+# and the down GEMM read it back; in tiles of 256 rows it stays in L2/L3. The MLP of a 2,048-row
+# step measured 12-14% faster so (bf16 and fp32, 1.5B and 3B shapes, AVX-512 Zen 5); 64-row tiles
+# lose what the GEMMs gain from the larger M. Decode steps (fewer rows) are not split.
+CPU_MLP_TILE = 256
+
+
 @dataclass
 class DenseMLP:
     gate_up: Linear
     down: Linear
 
     def __call__(self, x: torch.Tensor, silu_mul) -> torch.Tensor:
-        return self.down(silu_mul(self.gate_up(x)))
+        n = x.shape[0]
+        if n <= CPU_MLP_TILE * 3 // 2 or self.gate_up.path != "onednn":
+            return self.down(silu_mul(self.gate_up(x)))
+        out = x.new_empty(n, self.down.out_features)
+        for i in range(0, n, CPU_MLP_TILE):
+            out[i : i + CPU_MLP_TILE] = self.down(silu_mul(self.gate_up(x[i : i + CPU_MLP_TILE])))
+        return out
 
     def num_weights(self) -> int:
         return sum(lin.out_features * lin.in_features for lin in (self.gate_up, self.down))
