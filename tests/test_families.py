@@ -13,7 +13,7 @@ from batchgen.llm import Engine, GenerationRequest
 from batchgen.models.loader import load_checkpoint, resolve_model
 from batchgen.plan import shape_from_config
 from helpers import engine_specs, tiny_hf_model, write_gguf
-from test_engine import IdTokenizer, _assert_top5_close, engine, hf_greedy, prompts
+from test_engine import IdTokenizer, _assert_top5_close, engine, hf_greedy, prompts, run
 
 FAMILIES = ["phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel tests run on a GPU where there is one
@@ -83,6 +83,30 @@ def test_family_fast_paths_pass_the_top5_rule(family, dtype):
     model = tiny_hf_model(family, seed=13)
     _assert_top5_close(engine(model, dtype=dtype), engine(model, linear_path="plain", decode_attention="exact"),
                        prompts(seed=3))
+
+
+def test_fused_last_layer_runs_only_the_sampled_rows():
+    """The last layer's output projection and MLP see only the rows that are sampled: one per
+    prompt in its final prefill chunk and one per decode, while the first layer sees every token."""
+    model = tiny_hf_model("llama", seed=13)
+    e = engine(model)
+    layers = e.runner.model.layers
+    assert e.runner.model.fused
+    seen = {0: 0, -1: 0}
+    for idx in seen:
+        lin = layers[idx].o
+
+        def counted(x, lin=lin, idx=idx, call=type(lin).__call__):
+            seen[idx] += x.shape[0]
+            return call(lin, x)
+
+        layers[idx].o = counted
+    ps = prompts(seed=3)
+    out = run(e, ps, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    tokens = sum(len(r.token_ids) for r in out.values())
+    assert tokens == 6 * len(ps)
+    assert seen[-1] == tokens  # every generated token came from one sampled row
+    assert seen[0] == sum(map(len, ps)) + tokens - len(ps)
 
 
 def sharpen_attention(model, by=12.0):

@@ -297,7 +297,12 @@ class CausalLM:
     def _forward_fused(self, input_ids, positions, metas, kv_caches, sample_idx) -> torch.Tensor:
         """The same layers with the C++ CPU ops: RMSNorm fused with the residual add before it,
         rotary embedding in place on the QKV output, SiLU- or GELU-tanh-and-multiply in one pass.
-        Gemma's output norms run through the same op without the add."""
+        Gemma's output norms run through the same op without the add.
+
+        The last layer stores every token's K/V and attends for every token, but its output
+        projection, norms and MLP run only for the sampled rows: nothing reads the other rows'
+        last hidden states. In a prefill step that skips ~93% of one layer's GEMMs (3-4% of a
+        24-32-layer model's prefill FLOPs); each kept row's arithmetic is unchanged."""
         from batchgen.kernels import cpu_attention as ops
 
         s = self.shape
@@ -308,11 +313,15 @@ class CausalLM:
         act = ops.silu_mul if s.hidden_act == "silu" else ops.gelu_tanh_mul
         h = self._embed(input_ids)  # [num_tokens, hidden], updated in place by the residual adds
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
+        gathered = False
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             cos, sin = rope[layer.rope]
             q, k, v = self._qkv_heads(layer, layer.qkv(x), lambda t: ops.rope_(t, cos, sin))
             o = paged_attention(q, k, v, k_cache, v_cache, metas[layer.group], self.scale, s.attn_softcap)
-            a = layer.o(o.reshape(n, q_size))
+            o = o.reshape(n, q_size)
+            if i + 1 == len(self.layers) and sample_idx.shape[0] < n:
+                o, h, gathered = o[sample_idx], h[sample_idx], True
+            a = layer.o(o)
             if layer.attn_out_norm is not None:
                 a = ops.add_rms_norm(a, None, layer.attn_out_norm, eps)
             x = ops.add_rms_norm(h, a, layer.post_norm, eps)
@@ -323,8 +332,9 @@ class CausalLM:
                 x = ops.add_rms_norm(h, down, self.layers[i + 1].input_norm, s.rms_eps)
             else:
                 h += down
-        h = h[sample_idx].contiguous()
-        return ops.add_rms_norm(h, None, self.norm, eps)
+        if not gathered:  # every row sampled (or some twice)
+            h = h[sample_idx]
+        return ops.add_rms_norm(h.contiguous(), None, self.norm, eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-norm outputs [rows, hidden] -> logits [rows, vocab] (fp32, or the model dtype on
