@@ -1,0 +1,79 @@
+"""oneDNN GEMM rate at a model's layer shapes as a function of the rows per call (M).
+
+    .venv/bin/python examples/bench_gemm_rows.py --model /tmp/batchgen-ladder/qwen2.5-1.5b [--dtype bfloat16]
+
+The engine's CPU linears are `torch.ops.mkldnn._linear_pointwise` over weights packed once
+(pipeline/runner/linear.py); vLLM's CPU build calls the same oneDNN brgemm kernels. A decode step
+is one call per linear with M = the running sequences; a prefill step has up to
+max_num_batched_tokens rows. Each layer's four linears (fused QKV, output, fused gate/up, down)
+run in order over 4 copies of the weights, so weights come from memory as in a real forward, and
+the lm_head apart. Medians of --reps; GFLOP/s = 2 * M * K * N / time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from batchgen.runner.linear import Linear, onednn_available
+
+
+def layer_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) features of the dense layer's linears and the lm_head."""
+    cfg = cfg.get("text_config", cfg)
+    h, heads, kvh = cfg["hidden_size"], cfg["num_attention_heads"], cfg.get("num_key_value_heads")
+    kvh = kvh or heads
+    d = cfg.get("head_dim") or h // heads
+    inter = cfg["intermediate_size"]
+    return {"qkv": (h, (heads + 2 * kvh) * d), "o": (heads * d, h), "gate_up": (h, 2 * inter),
+            "down": (inter, h), "lm_head": (h, cfg["vocab_size"])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a local HF folder (its config.json is read)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--rows", default="1,16,32,64,128,256,512,2048")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    if not onednn_available():
+        raise SystemExit("this torch build has no oneDNN linear")
+    dt = getattr(torch, args.dtype)
+    shapes = layer_shapes(json.loads((Path(args.model) / "config.json").read_text()))
+    layer = {k: v for k, v in shapes.items() if k != "lm_head"}
+    copies = {k: [Linear((torch.randn(n, kk) * 0.02).to(dt), None, "onednn") for _ in range(4)]
+              for k, (kk, n) in layer.items()}
+    lm = Linear((torch.randn(shapes["lm_head"][1], shapes["lm_head"][0]) * 0.02).to(dt), None, "onednn")
+    print(f"threads {torch.get_num_threads()}, {args.dtype}, shapes (in, out): {shapes}")
+    print(f"{'rows':>6} {'layer ms':>9} {'layer GFLOP/s':>14} " + " ".join(f"{k + ' GF/s':>13}" for k in shapes))
+    for m in (int(x) for x in args.rows.split(",")):
+        xs = {k: torch.randn(m, k).to(dt) for k in {kk for kk, _ in shapes.values()}}
+        per = {k: [] for k in shapes}
+        layer_t = []
+        for _ in range(args.reps + 1):
+            t_layer = 0.0
+            for c in range(4):
+                for k, (kk, _) in layer.items():
+                    t = time.perf_counter()
+                    copies[k][c](xs[kk])
+                    dt_ = time.perf_counter() - t
+                    per[k].append(dt_)
+                    t_layer += dt_
+            layer_t.append(t_layer / 4)
+            t = time.perf_counter()
+            lm(xs[shapes["lm_head"][0]])
+            per["lm_head"].append(time.perf_counter() - t)
+        med = {k: statistics.median(v[4:] if k != "lm_head" else v[1:]) for k, v in per.items()}
+        lt = statistics.median(layer_t[1:])
+        flop = {k: 2 * m * kk * n for k, (kk, n) in shapes.items()}
+        layer_flop = sum(flop[k] for k in layer)
+        print(f"{m:>6} {lt * 1e3:>9.2f} {layer_flop / lt / 1e9:>14.0f} "
+              + " ".join(f"{flop[k] / med[k] / 1e9:>13.0f}" for k in shapes), flush=True)
+
+
+if __name__ == "__main__":
+    main()
