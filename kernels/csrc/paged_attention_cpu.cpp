@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
@@ -257,19 +258,57 @@ inline void scores_tile(float* sc, int64_t len, const float* q, const KT* kbase,
   }
 }
 
+#ifdef __AVX512BF16__
+// scores_tile for a bf16 cache and bf16 queries: AVX512-BF16 dot products (each multiplies 32 bf16
+// pairs and adds them into 16 fp32 lanes) read K as stored, with no widening to fp32: half the
+// loads and a quarter of the arithmetic instructions of the fp32 tile. Products of bf16 values
+// are exact in fp32; the sums round as an FMA chain's do (in another order). Scores are
+// scaled after the sum (q is the unscaled bf16 query, exact).
+template <int GT, int ND>
+inline void scores_tile_bf16(float* sc, int64_t len, const c10::BFloat16* q, const c10::BFloat16* kbase,
+                             int64_t slot0, int64_t cnt, int64_t row, float scale, const c10::BFloat16* next) {
+  constexpr int D = ND * 16, NP = ND / 2;  // NP slices of 32 dims
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t i0 = 0; i0 < cnt; i0 += 8) {
+    const int64_t n8 = std::min<int64_t>(8, cnt - i0);
+    const c10::BFloat16* kr[8];
+    for (int i = 0; i < 8; ++i) kr[i] = kbase + (slot0 + i0 + std::min<int64_t>(i, n8 - 1)) * row;
+    __m512 acc[GT][8];
+    for (int g = 0; g < GT; ++g)
+      for (int i = 0; i < 8; ++i) acc[g][i] = _mm512_setzero_ps();
+    for (int p = 0; p < NP; ++p) {
+      if (next)
+        for (int r = p * 8 / NP; r < (p + 1) * 8 / NP; ++r) prefetch_row<D>(next + (i0 + r) * row);
+      __m512bh qp[GT];
+      for (int g = 0; g < GT; ++g) qp[g] = (__m512bh)_mm512_loadu_si512(q + g * D + p * 32);
+      for (int i = 0; i < 8; ++i) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kr[i] + p * 32);
+        for (int g = 0; g < GT; ++g) acc[g][i] = _mm512_dpbf16_ps(acc[g][i], qp[g], kv);
+      }
+    }
+    const __mmask8 valid = static_cast<__mmask8>((1u << n8) - 1u);
+    for (int g = 0; g < GT; ++g)
+      _mm256_mask_storeu_ps(sc + g * len + i0, valid, _mm256_mul_ps(transpose_sum8(acc[g]), vscale));
+  }
+}
+#endif
+
 // The same for groups of 4 or more query heads per KV head, in register tiles that fit any G and D: the scores in tiles of up to 3 query heads (each tile reads the block's K rows
 // again, from L1), the weighted sum of V in slices of DC x 16 dims for all G heads at once (G x
 // DC accumulators). The kernel before this kept all G x D query values and accumulators in
 // registers and spilled them from G x D = 3 x 64 on; at 4 heads and more this runs 1.1-1.4x its
-// speed (6 x 128, Qwen2.5-1.5B: 1.23x; 8 x 128, Qwen2.5-3B: 1.42x; examples/bench_cpu_attention.py),
-// and at 2-3 heads (head_dim 256 included) it was level or slower, so those keep it. Walking block by block and head by head
-// inside a block reads each block as one contiguous span. The last K block prefetches V's first
+// speed (6 x 128, Qwen2.5-1.5B: 1.23x; 8 x 128, Qwen2.5-3B: 1.42x; examples/bench_cpu_attention.py
+// --shape, alternating builds), and at 2-3 heads (head_dim 256 included) it was level or slower, so
+// those keep it. A bf16 cache with bf16 queries (qb) takes the dot-product score tiles where the
+// CPU has AVX512-BF16. Walking block by block and head by head inside a block reads each block
+// as one contiguous span. The last K block prefetches V's first
 // block, and the V pass's last block the next sequence's first K block (next_k), so no pass
 // starts cold.
 template <int G, int ND, typename KT>
 void decode_seq_tiled(float* o, float* lse, const float* q, const KT* kc, const KT* vc, const float* ks,
-                       const float* vs, const int64_t* table, int64_t lo, int64_t hi, int64_t kvh, int64_t bs,
-                       float scale, float softcap, float* scores, float* acc_mem, const KT* next_k) {
+                      const float* vs, const int64_t* table, int64_t lo, int64_t hi, int64_t kvh, int64_t bs,
+                      float scale, float softcap, float* scores, float* acc_mem, const KT* next_k,
+                      const c10::BFloat16* qb) {
   constexpr int D = ND * 16;
   constexpr int DC = G <= 2 ? (ND < 8 ? ND : 8) : G <= 6 ? 4 : 2;  // G x DC + DC <= 28 registers
   static_assert(ND % DC == 0, "head_dim slices must divide the head");
@@ -286,6 +325,18 @@ void decode_seq_tiled(float* o, float* lse, const float* q, const KT* kc, const 
       const float* qh = qs + h * G * D;
       const KT* kb = kc + h * D;
       int g0 = 0;
+#ifdef __AVX512BF16__
+      if constexpr (std::is_same_v<KT, c10::BFloat16>) {
+        if (qb) {
+          const c10::BFloat16* qbh = qb + h * G * D;
+          for (; g0 + 3 <= G; g0 += 3, pf = nullptr)
+            scores_tile_bf16<3, ND>(sc + g0 * len, len, qbh + g0 * D, kb, slot0, cnt, row, scale, pf);
+          if (G - g0 == 2) scores_tile_bf16<2, ND>(sc + g0 * len, len, qbh + g0 * D, kb, slot0, cnt, row, scale, pf);
+          if (G - g0 == 1) scores_tile_bf16<1, ND>(sc + g0 * len, len, qbh + g0 * D, kb, slot0, cnt, row, scale, pf);
+          continue;
+        }
+      }
+#endif
       for (; g0 + 3 <= G; g0 += 3, pf = nullptr)
         scores_tile<3, ND>(sc + g0 * len, len, qh + g0 * D, kb, slot0, cnt, row, ks, kvh, h, pf);
       if (G - g0 == 2) scores_tile<2, ND>(sc + g0 * len, len, qh + g0 * D, kb, slot0, cnt, row, ks, kvh, h, pf);
@@ -326,15 +377,19 @@ void decode_seq_tiled(float* o, float* lse, const float* q, const KT* kc, const 
 }
 
 using SeqFn = void (*)(float*, float*, const float*, const void*, const void*, const float*, const float*,
-                       const int64_t*, int64_t, int64_t, int64_t, int64_t, float, float, float*, float*, const void*);
+                       const int64_t*, int64_t, int64_t, int64_t, int64_t, float, float, float*, float*, const void*,
+                       const c10::BFloat16*);
 
 template <int G, int ND, typename KT>
 void seq_thunk(float* o, float* lse, const float* q, const void* kc, const void* vc, const float* ks, const float* vs,
                const int64_t* table, int64_t lo, int64_t hi, int64_t kvh, int64_t bs, float scale, float softcap,
-               float* scores, float* acc, const void* next_k) {
-  constexpr auto fn = G <= 3 ? decode_seq_regs<G, ND, KT> : decode_seq_tiled<G, ND, KT>;
-  fn(o, lse, q, static_cast<const KT*>(kc), static_cast<const KT*>(vc), ks, vs, table, lo,
-     hi, kvh, bs, scale, softcap, scores, acc, static_cast<const KT*>(next_k));
+               float* scores, float* acc, const void* next_k, const c10::BFloat16* qb) {
+  if constexpr (G <= 3)
+    decode_seq_regs<G, ND, KT>(o, lse, q, static_cast<const KT*>(kc), static_cast<const KT*>(vc), ks, vs, table, lo,
+                               hi, kvh, bs, scale, softcap, scores, acc, static_cast<const KT*>(next_k));
+  else
+    decode_seq_tiled<G, ND, KT>(o, lse, q, static_cast<const KT*>(kc), static_cast<const KT*>(vc), ks, vs, table, lo,
+                                hi, kvh, bs, scale, softcap, scores, acc, static_cast<const KT*>(next_k), qb);
 }
 
 template <int ND, typename KT>
@@ -406,8 +461,10 @@ bool decode_fast(void* out_v, float* lse, const void* q_v, int64_t q_stride, boo
         scores.resize(heads * (hi - lo));
         const KT* next_k = s + 1 < end && hi_p[s + 1] > lo_p[s + 1]
                                ? kc + tables[(s + 1) * width + lo_p[s + 1] / bs] * bs * kvh * d : nullptr;
+        // bf16 queries also go to the kernel as stored (the bf16 dot-product score path).
+        const c10::BFloat16* qb = bf16_io ? static_cast<const c10::BFloat16*>(q_v) + s * q_stride : nullptr;
         fn(o, l, qs, kc, vc, ks, vs, tables + s * width, lo, hi, kvh, bs, scale, softcap, scores.data(), acc.data(),
-           next_k);
+           next_k, qb);
       }
       if (bf16_io) {
         c10::BFloat16* ob = static_cast<c10::BFloat16*>(out_v) + s * hd;
