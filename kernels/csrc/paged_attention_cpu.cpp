@@ -138,10 +138,52 @@ inline __m256 transpose_sum8(const __m512* a) {
   return _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, e));
 }
 
+// Both decode kernels' second pass: o [kvh * G, D] = the probabilities in `scores` times V, one
+// pass over V. Per block and head, the G heads' accumulators of one DC x 16 slice of the head
+// live in registers while the block's rows stream through (DC = ND: the whole head at once). The
+// next block's rows are prefetched during the first slice, and the last block prefetches the
+// next sequence's first K block (next_k), so no pass starts cold. acc_mem: [kvh * G, D].
+template <int G, int ND, int DC, typename KT>
+void weighted_v_sum(float* o, const float* scores, const KT* vc, const float* vs, const int64_t* table, int64_t lo,
+                    int64_t hi, int64_t kvh, int64_t bs, float* acc_mem, const KT* next_k) {
+  constexpr int D = ND * 16;
+  static_assert(ND % DC == 0, "head_dim slices must divide the head");
+  const int64_t len = hi - lo;
+  const int64_t row = kvh * D;
+  std::fill(acc_mem, acc_mem + kvh * G * D, 0.f);
+  walk_blocks(table, lo, hi, bs, [&](int64_t slot0, int64_t cnt, int64_t at, int64_t nxt) {
+    for (int64_t h = 0; h < kvh; ++h) {
+      const KT* next = nxt >= 0 ? vc + nxt * bs * row + h * D : (next_k ? next_k + h * D : nullptr);
+      float* am = acc_mem + h * G * D;
+      const float* pr = scores + h * G * len + at;
+      for (int c = 0; c < ND; c += DC) {
+        __m512 acc[G][DC];
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < DC; ++j) acc[g][j] = _mm512_loadu_ps(am + g * D + (c + j) * 16);
+        for (int64_t i = 0; i < cnt; ++i) {
+          const int64_t slot = slot0 + i;
+          const KT* vp = vc + slot * row + h * D + c * 16;
+          if (c == 0 && next) prefetch_row<D>(next + i * row);
+          __m512 vv[DC];
+          for (int j = 0; j < DC; ++j) vv[j] = load16(vp + j * 16);
+          const float vsc = vs ? vs[slot * kvh + h] : 1.f;
+          for (int g = 0; g < G; ++g) {
+            const __m512 p = _mm512_set1_ps(pr[g * len + i] * vsc);
+            for (int j = 0; j < DC; ++j) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);
+          }
+        }
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < DC; ++j) _mm512_storeu_ps(am + g * D + (c + j) * 16, acc[g][j]);
+      }
+    }
+  });
+  std::memcpy(o, acc_mem, sizeof(float) * kvh * G * D);
+}
+
 // One sequence, every KV head, G query heads per KV head of ND x 16 dims, with all G x D query
-// values and accumulators held as registers (groups of up to 3; see decode_seq_tiled). Walking block by block
-// and head by head inside a block reads each block as one contiguous span (one (sequence, head)
-// per work item would stride over the other heads' rows and stall on its loads).
+// values and accumulators held as registers (groups of up to 3; see decode_seq_tiled). Walking
+// block by block and head by head inside a block reads each block as one contiguous span (one
+// (sequence, head) per work item would stride over the other heads' rows and stall on its loads).
 template <int G, int ND, typename KT>
 void decode_seq_regs(float* o, float* lse, const float* q, const KT* kc, const KT* vc, const float* ks,
                        const float* vs, const int64_t* table, int64_t lo, int64_t hi, int64_t kvh, int64_t bs,
@@ -191,33 +233,7 @@ void decode_seq_regs(float* o, float* lse, const float* q, const KT* kc, const K
     }
   });
   softmax_rows(scores, kvh * G, len, lse, softcap);
-  // Weighted sum of V: one pass over V; accumulators of one head live in registers per block.
-  std::fill(acc_mem, acc_mem + kvh * G * D, 0.f);
-  walk_blocks(table, lo, hi, bs, [&](int64_t slot0, int64_t cnt, int64_t at, int64_t nxt) {
-    for (int64_t h = 0; h < kvh; ++h) {
-      __m512 acc[G][ND];
-      float* am = acc_mem + h * G * D;
-      for (int g = 0; g < G; ++g)
-        for (int j = 0; j < ND; ++j) acc[g][j] = _mm512_loadu_ps(am + g * D + j * 16);
-      const float* pr = scores + h * G * len + at;
-      const KT* next = nxt >= 0 ? vc + nxt * bs * row + h * D : (next_k ? next_k + h * D : nullptr);
-      for (int64_t i = 0; i < cnt; ++i) {
-        const int64_t slot = slot0 + i;
-        const KT* vp = vc + slot * row + h * D;
-        if (next) prefetch_row<D>(next + i * row);
-        __m512 vv[ND];
-        for (int j = 0; j < ND; ++j) vv[j] = load16(vp + j * 16);
-        const float vsc = vs ? vs[slot * kvh + h] : 1.f;
-        for (int g = 0; g < G; ++g) {
-          const __m512 p = _mm512_set1_ps(pr[g * len + i] * vsc);
-          for (int j = 0; j < ND; ++j) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);
-        }
-      }
-      for (int g = 0; g < G; ++g)
-        for (int j = 0; j < ND; ++j) _mm512_storeu_ps(am + g * D + j * 16, acc[g][j]);
-    }
-  });
-  std::memcpy(o, acc_mem, sizeof(float) * kvh * G * D);
+  weighted_v_sum<G, ND, ND>(o, scores, vc, vs, table, lo, hi, kvh, bs, acc_mem, next_k);
 }
 
 // Scores of GT query heads (a tile of one KV head's group) over the rows of one block, read in
@@ -293,17 +309,16 @@ inline void scores_tile_bf16(float* sc, int64_t len, const c10::BFloat16* q, con
 }
 #endif
 
-// The same for groups of 4 or more query heads per KV head, in register tiles that fit any G and D: the scores in tiles of up to 3 query heads (each tile reads the block's K rows
-// again, from L1), the weighted sum of V in slices of DC x 16 dims for all G heads at once (G x
-// DC accumulators). The kernel before this kept all G x D query values and accumulators in
-// registers and spilled them from G x D = 3 x 64 on; at 4 heads and more this runs 1.1-1.4x its
-// speed (6 x 128, Qwen2.5-1.5B: 1.23x; 8 x 128, Qwen2.5-3B: 1.42x; examples/bench_cpu_attention.py
-// --shape, alternating builds), and at 2-3 heads (head_dim 256 included) it was level or slower, so
-// those keep it. A bf16 cache with bf16 queries (qb) takes the dot-product score tiles where the
-// CPU has AVX512-BF16. Walking block by block and head by head inside a block reads each block
-// as one contiguous span. The last K block prefetches V's first
-// block, and the V pass's last block the next sequence's first K block (next_k), so no pass
-// starts cold.
+// The same for groups of 4 or more query heads per KV head, in register tiles that fit any G
+// and D: the scores in tiles of up to 3 query heads (each tile reads the block's K rows again,
+// from L1), the weighted sum of V in slices of DC x 16 dims for all G heads at once (G x DC
+// accumulators). decode_seq_regs keeps all G x D query values and accumulators in registers and
+// spills them from G x D = 3 x 64 on; at 4 heads and more this runs 1.1-1.4x its speed (6 x 128,
+// Qwen2.5-1.5B: 1.23x; 8 x 128, Qwen2.5-3B: 1.42x; examples/bench_cpu_attention.py --shape,
+// alternating builds), and at 2-3 heads (head_dim 256 included) it was level or slower, so those
+// keep it. A bf16 cache with bf16 queries (qb) takes the dot-product score tiles where the CPU
+// has AVX512-BF16. Walking block by block and head by head inside a block reads each block as one
+// contiguous span; the last K block prefetches V's first block.
 template <int G, int ND, typename KT>
 void decode_seq_tiled(float* o, float* lse, const float* q, const KT* kc, const KT* vc, const float* ks,
                       const float* vs, const int64_t* table, int64_t lo, int64_t hi, int64_t kvh, int64_t bs,
@@ -311,7 +326,6 @@ void decode_seq_tiled(float* o, float* lse, const float* q, const KT* kc, const 
                       const c10::BFloat16* qb) {
   constexpr int D = ND * 16;
   constexpr int DC = G <= 2 ? (ND < 8 ? ND : 8) : G <= 6 ? 4 : 2;  // G x DC + DC <= 28 registers
-  static_assert(ND % DC == 0, "head_dim slices must divide the head");
   const int64_t len = hi - lo;
   const int64_t row = kvh * D;
   float* qs = acc_mem + kvh * G * D;  // [kvh * G, D], the scaled queries
@@ -344,36 +358,7 @@ void decode_seq_tiled(float* o, float* lse, const float* q, const KT* kc, const 
     }
   });
   softmax_rows(scores, kvh * G, len, lse, softcap);
-  // Weighted sum of V: one pass over V; per block and head, the G heads' accumulators of one
-  // DC x 16 slice live in registers while the block's rows stream through.
-  std::fill(acc_mem, acc_mem + kvh * G * D, 0.f);
-  walk_blocks(table, lo, hi, bs, [&](int64_t slot0, int64_t cnt, int64_t at, int64_t nxt) {
-    for (int64_t h = 0; h < kvh; ++h) {
-      const KT* next = nxt >= 0 ? vc + nxt * bs * row + h * D : (next_k ? next_k + h * D : nullptr);
-      float* am = acc_mem + h * G * D;
-      const float* pr = scores + h * G * len + at;
-      for (int c = 0; c < ND; c += DC) {
-        __m512 acc[G][DC];
-        for (int g = 0; g < G; ++g)
-          for (int j = 0; j < DC; ++j) acc[g][j] = _mm512_loadu_ps(am + g * D + (c + j) * 16);
-        for (int64_t i = 0; i < cnt; ++i) {
-          const int64_t slot = slot0 + i;
-          const KT* vp = vc + slot * row + h * D + c * 16;
-          if (c == 0 && next) prefetch_row<D>(next + i * row);
-          __m512 vv[DC];
-          for (int j = 0; j < DC; ++j) vv[j] = load16(vp + j * 16);
-          const float vsc = vs ? vs[slot * kvh + h] : 1.f;
-          for (int g = 0; g < G; ++g) {
-            const __m512 p = _mm512_set1_ps(pr[g * len + i] * vsc);
-            for (int j = 0; j < DC; ++j) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);
-          }
-        }
-        for (int g = 0; g < G; ++g)
-          for (int j = 0; j < DC; ++j) _mm512_storeu_ps(am + g * D + (c + j) * 16, acc[g][j]);
-      }
-    }
-  });
-  std::memcpy(o, acc_mem, sizeof(float) * kvh * G * D);
+  weighted_v_sum<G, ND, DC>(o, scores, vc, vs, table, lo, hi, kvh, bs, acc_mem, next_k);
 }
 
 using SeqFn = void (*)(float*, float*, const float*, const void*, const void*, const float*, const float*,
