@@ -12,30 +12,26 @@ the lm_head apart. Medians of --reps; GFLOP/s = 2 * M * K * N / time.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from batchgen.plan import load_model_config, shape_from_config
 from batchgen.runner.linear import Linear, onednn_available
+from batchgen.shapes import ModelShape
 
 
-def layer_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+def layer_shapes(s: ModelShape) -> dict[str, tuple[int, int]]:
     """(in, out) features of the dense layer's linears and the lm_head."""
-    cfg = cfg.get("text_config", cfg)
-    h, heads, kvh = cfg["hidden_size"], cfg["num_attention_heads"], cfg.get("num_key_value_heads")
-    kvh = kvh or heads
-    d = cfg.get("head_dim") or h // heads
-    inter = cfg["intermediate_size"]
-    return {"qkv": (h, (heads + 2 * kvh) * d), "o": (heads * d, h), "gate_up": (h, 2 * inter),
-            "down": (inter, h), "lm_head": (h, cfg["vocab_size"])}
+    h, q, kv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    return {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * s.intermediate_size),
+            "down": (s.intermediate_size, h), "lm_head": (h, s.vocab_size)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="a local HF folder (its config.json is read)")
+    ap.add_argument("--model", required=True, help="a local HF folder, a config.json or a GGUF file")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--rows", default="1,16,32,64,128,256,512,2048")
     ap.add_argument("--reps", type=int, default=5)
@@ -43,7 +39,8 @@ def main() -> None:
     if not onednn_available():
         raise SystemExit("this torch build has no oneDNN linear")
     dt = getattr(torch, args.dtype)
-    shapes = layer_shapes(json.loads((Path(args.model) / "config.json").read_text()))
+    cfg, where = load_model_config(args.model)
+    shapes = layer_shapes(shape_from_config(cfg, where))
     layer = {k: v for k, v in shapes.items() if k != "lm_head"}
     copies = {k: [Linear((torch.randn(n, kk) * 0.02).to(dt), None, "onednn") for _ in range(4)]
               for k, (kk, n) in layer.items()}
