@@ -351,8 +351,9 @@ def _rss_kib() -> int:
         return int(f.read().split()[1]) * 4
 
 
-def _vm_flags(addr: int) -> list[str]:
-    """The VmFlags of the mapping holding addr, from /proc/self/smaps."""
+def _mapping(addr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding addr (its permissions under "perms")."""
+    out: dict[str, str] = {}
     with open("/proc/self/smaps") as f:
         inside = False
         for line in f:
@@ -360,9 +361,23 @@ def _vm_flags(addr: int) -> list[str]:
             if "-" in head and all(c in "0123456789abcdef-" for c in head):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= addr < hi
-            elif inside and line.startswith("VmFlags:"):
-                return line.split()[1:]
-    return []
+                if inside:
+                    out["perms"] = line.split()[1]
+            elif inside and ":" in head:
+                out[head.rstrip(":")] = line.split(":", 1)[1].strip()
+                if head == "VmFlags:":
+                    return out
+    return out
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of the mapping holding addr, from /proc/self/smaps."""
+    return _mapping(addr).get("VmFlags", "").split()
+
+
+def _thp_fallbacks() -> int:
+    with open("/proc/vmstat") as f:
+        return sum(int(line.split()[1]) for line in f if line.startswith("thp_fault_fallback "))
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
@@ -378,10 +393,19 @@ def test_host_kv_memory_is_lazy_zeroed_and_asks_for_huge_pages(monkeypatch, off)
     assert t.shape == (4096, 16, 4, 256) and t.is_contiguous() and t.data_ptr() % (2 << 20) == 0
     assert _rss_kib() - before < 32 << 10, "nothing is resident before it is written"
     assert not t[::97].any() and not t[-1].any()
+    # Private: a shared anonymous mapping is shmem, where the THP hint is not met.
+    assert _mapping(t.data_ptr())["perms"].endswith("p")
+    fallbacks = _thp_fallbacks()
     t.fill_(1.0)
     assert _rss_kib() - before > 200 << 10 and t.sum().item() == t.numel()
-    if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if os.path.exists(thp):
         assert ("hg" in _vm_flags(t.data_ptr())) == (off == "0")
+        if off == "0" and "[never]" not in open(thp).read():
+            # The hint is met: huge pages back the tensor, unless the kernel tried and had none
+            # free (its fallback counter moved).
+            huge_kib = int(_mapping(t.data_ptr())["AnonHugePages"].split()[0])
+            assert huge_kib >= 128 << 10 or _thp_fallbacks() > fallbacks, huge_kib
 
 
 def test_keep_freed_memory_keeps_large_buffers_on_the_heap():
