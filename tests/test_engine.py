@@ -381,13 +381,13 @@ def _thp_fallbacks() -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
-@pytest.mark.parametrize("off", ["0", "1"])
-def test_host_kv_memory_is_lazy_zeroed_and_asks_for_huge_pages(monkeypatch, off):
+@pytest.mark.parametrize("huge", ["0", "1"])
+def test_host_kv_memory_is_lazy_zeroed_private_and_huge_pages_on_request(monkeypatch, huge):
     """The KV cache costs no time or resident memory until its blocks are written, reads as
-    zeros, and is advised for 2 MiB pages unless BATCHGEN_NO_HUGEPAGES=1."""
+    zeros, is a private mapping, and is advised for 2 MiB pages when BATCHGEN_HUGEPAGES=1."""
     from batchgen.runner.model_runner import host_zeros
 
-    monkeypatch.setenv("BATCHGEN_NO_HUGEPAGES", off)
+    monkeypatch.setenv("BATCHGEN_HUGEPAGES", huge)
     before = _rss_kib()
     t = host_zeros((4096, 16, 4, 256), torch.float32)  # 256 MiB
     assert t.shape == (4096, 16, 4, 256) and t.is_contiguous() and t.data_ptr() % (2 << 20) == 0
@@ -400,8 +400,8 @@ def test_host_kv_memory_is_lazy_zeroed_and_asks_for_huge_pages(monkeypatch, off)
     assert _rss_kib() - before > 200 << 10 and t.sum().item() == t.numel()
     thp = "/sys/kernel/mm/transparent_hugepage/enabled"
     if os.path.exists(thp):
-        assert ("hg" in _vm_flags(t.data_ptr())) == (off == "0")
-        if off == "0" and "[never]" not in open(thp).read():
+        assert ("hg" in _vm_flags(t.data_ptr())) == (huge == "1")
+        if huge == "1" and "[never]" not in open(thp).read():
             # The hint is met: huge pages back the tensor, unless the kernel tried and had none
             # free (its fallback counter moved).
             huge_kib = int(_mapping(t.data_ptr())["AnonHugePages"].split()[0])
