@@ -236,6 +236,18 @@ void decode_seq_regs(float* o, float* lse, const float* q, const KT* kc, const K
   weighted_v_sum<G, ND, ND>(o, scores, vc, vs, table, lo, hi, kvh, bs, acc_mem, next_k);
 }
 
+// The slots of an 8-row score tile from `first`; a tail tile (n8 < 8) repeats its last row, so
+// every row load stays inside the block (only the n8 valid lanes are stored).
+inline void tile_slots(int64_t (&sl)[8], int64_t first, int64_t n8) {
+  for (int i = 0; i < 8; ++i) sl[i] = first + std::min<int64_t>(i, n8 - 1);
+}
+
+template <int GT>
+inline void zero_tile(__m512 (&acc)[GT][8]) {
+  for (int g = 0; g < GT; ++g)
+    for (int i = 0; i < 8; ++i) acc[g][i] = _mm512_setzero_ps();
+}
+
 // Scores of GT query heads (a tile of one KV head's group) over the rows of one block, read in
 // place: sc[g * len + i] = q[g] . k[slot0 + i] (times the int8 scale), 8 rows at a time. The GT x
 // 8 partial sums, the GT query slices and one K slice stay in registers (GT <= 3: 28 of 32).
@@ -247,11 +259,12 @@ inline void scores_tile(float* sc, int64_t len, const float* q, const KT* kbase,
   constexpr int D = ND * 16;
   for (int64_t i0 = 0; i0 < cnt; i0 += 8) {
     const int64_t n8 = std::min<int64_t>(8, cnt - i0);
+    int64_t sl[8];
+    tile_slots(sl, slot0 + i0, n8);
     const KT* kr[8];
-    for (int i = 0; i < 8; ++i) kr[i] = kbase + (slot0 + i0 + std::min<int64_t>(i, n8 - 1)) * row;
+    for (int i = 0; i < 8; ++i) kr[i] = kbase + sl[i] * row;
     __m512 acc[GT][8];
-    for (int g = 0; g < GT; ++g)
-      for (int i = 0; i < 8; ++i) acc[g][i] = _mm512_setzero_ps();
+    zero_tile<GT>(acc);
     for (int j = 0; j < ND; ++j) {
       if (next)
         for (int r = j * 8 / ND; r < (j + 1) * 8 / ND; ++r) prefetch_row<D>(next + (i0 + r) * row);
@@ -266,7 +279,7 @@ inline void scores_tile(float* sc, int64_t len, const float* q, const KT* kbase,
     __m256 ksc = _mm256_set1_ps(1.f);
     if (ks) {
       float k8[8];
-      for (int i = 0; i < 8; ++i) k8[i] = ks[(slot0 + i0 + std::min<int64_t>(i, n8 - 1)) * kvh + h];
+      for (int i = 0; i < 8; ++i) k8[i] = ks[sl[i] * kvh + h];
       ksc = _mm256_loadu_ps(k8);
     }
     for (int g = 0; g < GT; ++g)
@@ -287,11 +300,12 @@ inline void scores_tile_bf16(float* sc, int64_t len, const c10::BFloat16* q, con
   const __m256 vscale = _mm256_set1_ps(scale);
   for (int64_t i0 = 0; i0 < cnt; i0 += 8) {
     const int64_t n8 = std::min<int64_t>(8, cnt - i0);
+    int64_t sl[8];
+    tile_slots(sl, slot0 + i0, n8);
     const c10::BFloat16* kr[8];
-    for (int i = 0; i < 8; ++i) kr[i] = kbase + (slot0 + i0 + std::min<int64_t>(i, n8 - 1)) * row;
+    for (int i = 0; i < 8; ++i) kr[i] = kbase + sl[i] * row;
     __m512 acc[GT][8];
-    for (int g = 0; g < GT; ++g)
-      for (int i = 0; i < 8; ++i) acc[g][i] = _mm512_setzero_ps();
+    zero_tile<GT>(acc);
     for (int p = 0; p < NP; ++p) {
       if (next)
         for (int r = p * 8 / NP; r < (p + 1) * 8 / NP; ++r) prefetch_row<D>(next + (i0 + r) * row);
