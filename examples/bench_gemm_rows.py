@@ -1,9 +1,11 @@
-"""oneDNN GEMM rate at a model's layer shapes as a function of the rows per call (M).
+"""GEMM rate at a model's layer shapes as a function of the rows per call (M), per linear path.
 
-    .venv/bin/python examples/bench_gemm_rows.py --model /tmp/batchgen-ladder/qwen2.5-1.5b [--dtype bfloat16]
+    .venv/bin/python examples/bench_gemm_rows.py --model /tmp/batchgen-ladder/qwen2.5-1.5b \
+        [--dtype bfloat16] [--paths onednn,dpbf16]
 
-The engine's CPU linears are `torch.ops.mkldnn._linear_pointwise` over weights packed once
-(pipeline/runner/linear.py); vLLM's CPU build calls the same oneDNN brgemm kernels. A decode step
+The engine's CPU linears are `torch.ops.mkldnn._linear_pointwise` over weights packed once, or on
+AVX512-BF16 CPUs without AMX our dpbf16 kernel (pipeline/runner/linear.py); vLLM's CPU build
+calls oneDNN's brgemm kernels. The paths run alternately at each M, so both see the same noise. A decode step
 is one call per linear with M = the running sequences; a prefill step has up to
 max_num_batched_tokens rows. Each layer's four linears (fused QKV, output, fused gate/up, down)
 run in order over 4 copies of the weights, so weights come from memory as in a real forward, and
@@ -18,7 +20,7 @@ import time
 import torch
 
 from batchgen.plan import load_model_config, shape_from_config
-from batchgen.runner.linear import Linear, onednn_available
+from batchgen.runner.linear import Linear, dpbf16_available, onednn_available
 from batchgen.shapes import ModelShape
 
 
@@ -35,41 +37,51 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--rows", default="1,16,32,64,128,256,512,2048")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--paths", default=None, help="comma-separated linear paths (default: onednn, and dpbf16 "
+                    "where it runs and the dtype is bfloat16)")
     args = ap.parse_args()
     if not onednn_available():
         raise SystemExit("this torch build has no oneDNN linear")
     dt = getattr(torch, args.dtype)
+    paths = args.paths.split(",") if args.paths else ["onednn"] + (
+        ["dpbf16"] if dt == torch.bfloat16 and dpbf16_available() else [])
     cfg, where = load_model_config(args.model)
     shapes = layer_shapes(shape_from_config(cfg, where))
     layer = {k: v for k, v in shapes.items() if k != "lm_head"}
-    copies = {k: [Linear((torch.randn(n, kk) * 0.02).to(dt), None, "onednn") for _ in range(4)]
-              for k, (kk, n) in layer.items()}
-    lm = Linear((torch.randn(shapes["lm_head"][1], shapes["lm_head"][0]) * 0.02).to(dt), None, "onednn")
+    weights = {k: [(torch.randn(n, kk) * 0.02).to(dt) for _ in range(4)] for k, (kk, n) in layer.items()}
+    lm_w = (torch.randn(shapes["lm_head"][1], shapes["lm_head"][0]) * 0.02).to(dt)
+    linears = {p: ({k: [Linear(w, None, p) for w in ws] for k, ws in weights.items()}, Linear(lm_w, None, p))
+               for p in paths}
     print(f"threads {torch.get_num_threads()}, {args.dtype}, shapes (in, out): {shapes}")
-    print(f"{'rows':>6} {'layer ms':>9} {'layer GFLOP/s':>14} " + " ".join(f"{k + ' GF/s':>13}" for k in shapes))
+    print(f"{'rows':>6} {'path':>7} {'layer ms':>9} {'layer GFLOP/s':>14} " + " ".join(f"{k + ' GF/s':>13}" for k in shapes))
     for m in (int(x) for x in args.rows.split(",")):
-        xs = {k: torch.randn(m, k).to(dt) for k in {kk for kk, _ in shapes.values()}}
-        per = {k: [] for k in shapes}
-        layer_t = []
-        for _ in range(args.reps + 1):
-            t_layer = 0.0
-            for c in range(4):
-                for k, (kk, _) in layer.items():
-                    t = time.perf_counter()
-                    copies[k][c](xs[kk])
-                    dt_ = time.perf_counter() - t
-                    per[k].append(dt_)
-                    t_layer += dt_
-            layer_t.append(t_layer / 4)
-            t = time.perf_counter()
-            lm(xs[shapes["lm_head"][0]])
-            per["lm_head"].append(time.perf_counter() - t)
-        med = {k: statistics.median(v[4:] if k != "lm_head" else v[1:]) for k, v in per.items()}
-        lt = statistics.median(layer_t[1:])
-        flop = {k: 2 * m * kk * n for k, (kk, n) in shapes.items()}
-        layer_flop = sum(flop[k] for k in layer)
-        print(f"{m:>6} {lt * 1e3:>9.2f} {layer_flop / lt / 1e9:>14.0f} "
-              + " ".join(f"{flop[k] / med[k] / 1e9:>13.0f}" for k in shapes), flush=True)
+        for path in paths:
+            measure(m, path, *linears[path], shapes, layer, dt, args.reps)
+
+
+def measure(m: int, path: str, copies: dict, lm: Linear, shapes: dict, layer: dict, dt, reps: int) -> None:
+    xs = {k: torch.randn(m, k).to(dt) for k in {kk for kk, _ in shapes.values()}}
+    per = {k: [] for k in shapes}
+    layer_t = []
+    for _ in range(reps + 1):
+        t_layer = 0.0
+        for c in range(4):
+            for k, (kk, _) in layer.items():
+                t = time.perf_counter()
+                copies[k][c](xs[kk])
+                dt_ = time.perf_counter() - t
+                per[k].append(dt_)
+                t_layer += dt_
+        layer_t.append(t_layer / 4)
+        t = time.perf_counter()
+        lm(xs[shapes["lm_head"][0]])
+        per["lm_head"].append(time.perf_counter() - t)
+    med = {k: statistics.median(v[4:] if k != "lm_head" else v[1:]) for k, v in per.items()}
+    lt = statistics.median(layer_t[1:])
+    flop = {k: 2 * m * kk * n for k, (kk, n) in shapes.items()}
+    layer_flop = sum(flop[k] for k in layer)
+    print(f"{m:>6} {path:>7} {lt * 1e3:>9.2f} {layer_flop / lt / 1e9:>14.0f} "
+          + " ".join(f"{flop[k] / med[k] / 1e9:>13.0f}" for k in shapes), flush=True)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ import torch
 log = logging.getLogger("batchgen")
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "fused_cpu.cpp")]
+_SOURCES = [_CSRC / name for name in ("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "fused_cpu.cpp",
+                                          "gemm_cpu.cpp")]
 # Part of the build key too: a changed header must rebuild.
 _HEADERS = [_CSRC / "cpu_common.h"]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it. The library then needs

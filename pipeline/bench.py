@@ -134,10 +134,10 @@ def run_hf_continuous(hf_model, items: list[WorkloadItem], max_requests: int = 1
 
 
 def gemm_ceiling(shape, items: list[WorkloadItem], batch: int = 256) -> dict:
-    """Measured GEMM FLOP/s at the model's shapes (fp32 and bf16, F.linear and oneDNN; the best of
+    """Measured GEMM FLOP/s at the model's shapes (fp32 and bf16, F.linear, oneDNN and dpbf16; the best of
     15 calls each), and the output tok/s this workload would reach if it ran at the fastest path's
     rate."""
-    from .runner.linear import Linear, onednn_available
+    from .runner.linear import Linear, dpbf16_available, onednn_available
 
     h, q = shape.hidden_size, shape.num_heads * shape.head_dim
     kv = 2 * shape.num_kv_heads * shape.head_dim
@@ -145,7 +145,7 @@ def gemm_ceiling(shape, items: list[WorkloadItem], batch: int = 256) -> dict:
     paths = ["plain"] + (["onednn"] if onednn_available() else [])
     rates = {}
     for dtype in (torch.float32, torch.bfloat16):
-        for path in paths:
+        for path in paths + (["dpbf16"] if dtype == torch.bfloat16 and dpbf16_available() else []):
             flops = secs = 0.0
             for k, n in mats:
                 lin = Linear(torch.randn(n, k, dtype=dtype), None, path)

@@ -56,7 +56,7 @@ def apply_profile(spec):
 class Backend:
     # torch | cpu (the C++ ops) | triton
     attention: str
-    # plain (F.linear) | onednn (packed weights)
+    # plain (F.linear) | onednn (packed weights) | dpbf16 (our AVX512-BF16 GEMM for bf16 weights)
     linear_path: str
     # The C++ fused layer ops (add+RMSNorm, RoPE, SiLU-mul, greedy argmax) on the CPU fast path.
     fused_ops: bool
@@ -66,11 +66,15 @@ def choose_backend(spec, device: torch.device, kv_dtype: torch.dtype) -> Backend
     """Attention and GEMM paths for the device and KV storage, refusing impossible asks."""
     from batchgen.kernels import cpu_attention
 
-    from .linear import onednn_available
+    from .linear import dpbf16_available, dpbf16_preferred, onednn_available
 
     linear_path = spec.linear_path
     if linear_path == "auto":
-        linear_path = "onednn" if device.type == "cpu" and onednn_available() else "plain"
+        linear_path = "plain" if device.type != "cpu" else "dpbf16" if dpbf16_preferred() else (
+            "onednn" if onednn_available() else "plain")
+    elif linear_path == "dpbf16" and device.type == "cpu" and not dpbf16_available():
+        raise ConfigError("engine.linear_path: dpbf16 needs a CPU with AVX512-BF16 and the C++ ops "
+                          "(use auto or onednn)")
     fp8 = kv_dtype == torch.float8_e4m3fn
     attention = spec.attention_backend
     if attention == "auto":

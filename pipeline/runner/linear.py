@@ -3,8 +3,16 @@
 On AVX-512 and AMX CPUs, oneDNN with a pre-packed weight beats F.linear's MKL path for fp32,
 and bf16 through oneDNN runs at several times the fp32 rate where the CPU has native bf16 dot
 products. `plain` keeps F.linear: it is the exact reference path.
+
+`dpbf16` is our own bf16 GEMM (kernels/csrc/gemm_cpu.cpp) for CPUs with AVX512-BF16 and no AMX
+(AMD Zen 4/5, Intel Cooper Lake): at a decode step's tens of rows oneDNN stalls on the weight
+stream, and this kernel prefetches the next weight panel while it computes the current one.
+Weights that are not bf16 (an fp32 model) stay on oneDNN under it. On AMX CPUs oneDNN's AMX
+tiles are several times faster, so `auto` never picks it there.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +22,30 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.lru_cache(maxsize=None)
+def dpbf16_available() -> bool:
+    """Whether the dpbf16 GEMM runs here: the C++ ops built with AVX512-BF16 (-march=native)."""
+    from batchgen.kernels import cpu_attention
+
+    return cpu_attention.available() and bool(torch.ops.batchgen_cpu.has_dpbf16_gemm())
+
+
+def dpbf16_preferred() -> bool:
+    """Whether `auto` takes dpbf16: it runs here and the CPU has no AMX (where oneDNN uses AMX tiles)."""
+    return "amx_bf16" not in _cpu_flags() and dpbf16_available()
+
+
 class Linear:
     """y = x @ W.T (+ b), with the weight packed once for the chosen path."""
 
@@ -21,13 +53,27 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.path = path
-        if path == "onednn" and weight.device.type == "cpu":
+        cpu = weight.device.type == "cpu"
+        if path == "dpbf16" and not (cpu and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0
+                                     and dpbf16_available()):
+            self.path = path = "onednn"
+        if path == "dpbf16":
+            self.weight = torch.ops.batchgen_cpu.pack_bf16_weight(weight.contiguous())
+            self._bias32 = bias.float().contiguous() if bias is not None else None
+        elif path == "onednn" and cpu:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
         else:
             self.path = "plain"
             self.weight = weight.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.path == "dpbf16":
+            x2 = x.reshape(-1, x.shape[-1])
+            if x2.stride(-1) != 1 or x2.dtype != torch.bfloat16:
+                x2 = x2.to(torch.bfloat16).contiguous()
+            out = x2.new_empty(x2.shape[0], self.out_features)
+            torch.ops.batchgen_cpu.gemm_bf16(out, x2, self.weight, self._bias32)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.path == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

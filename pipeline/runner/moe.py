@@ -41,7 +41,7 @@ class DenseMLP:
 
     def __call__(self, x: torch.Tensor, silu_mul) -> torch.Tensor:
         n = x.shape[0]
-        if n <= CPU_MLP_TILE * 3 // 2 or self.gate_up.path != "onednn":
+        if n <= CPU_MLP_TILE * 3 // 2 or self.gate_up.path == "plain":
             return self.down(silu_mul(self.gate_up(x)))
         out = x.new_empty(n, self.down.out_features)
         for i in range(0, n, CPU_MLP_TILE):

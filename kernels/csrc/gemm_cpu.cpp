@@ -1,0 +1,204 @@
+// bf16 GEMM on AVX512-BF16 CPUs without AMX (AMD Zen 4/5, Intel Cooper Lake): y = x @ W.T (+ b).
+//
+// oneDNN's bf16 kernels reach the dot-product peak on large row counts, but a decode step has
+// tens of rows, and there oneDNN ran at 75-85% of its 256-row rate on Qwen2.5-1.5B's shapes: it
+// waits on the weight stream from DRAM each time a new column panel starts. Here the weight is
+// packed for vdpbf16ps (per 16 columns, the K pairs in order: one 64-byte load feeds 16 columns
+// times 2 k), a 6-row x 64-column register tile walks K, and while one panel is computed the next
+// panel's weights are prefetched into L2, spread over the row tiles of this one. Panels longer
+// than 2,048 k are cut into chunks that fit L2, with fp32 partial sums in between.
+// CPUs with AMX keep oneDNN (its AMX tiles are several times faster); the Python side decides.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define BATCHGEN_DPBF16 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kCols = 16;        // columns per packed block (one zmm of fp32 sums)
+constexpr int64_t kPanel = 4;        // blocks per register tile: 64 columns
+constexpr int kRows = 6;             // rows per register tile: 6 x 4 accumulators
+constexpr int64_t kChunkPairs = 1024;  // k pairs per L2 chunk of a panel (4 x 1024 x 64 B = 256 KiB)
+
+bool has_dpbf16_gemm() {
+#ifdef BATCHGEN_DPBF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+// w [N, K] bf16 -> [ceil(N / 16), K / 2, 16, 2]: block b, pair p holds (w[16b + j, 2p], w[16b + j, 2p + 1])
+// for j = 0..15. Columns past N are zero.
+at::Tensor pack_bf16_weight(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack_bf16_weight: a 2-D bfloat16 weight");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(k % 2 == 0, "pack_bf16_weight: in_features must be even, got ", k);
+  const int64_t nblk = (n + kCols - 1) / kCols, kp = k / 2;
+  auto src = w.contiguous();
+  auto out = w.new_zeros({nblk, kp, kCols, 2});
+  const uint32_t* s = reinterpret_cast<const uint32_t*>(src.data_ptr());
+  uint32_t* d = reinterpret_cast<uint32_t*>(out.data_ptr());
+  at::parallel_for(0, nblk, 1, [&](int64_t b, int64_t e) {
+    for (int64_t blk = b; blk < e; ++blk)
+      for (int64_t j = 0; j < kCols && blk * kCols + j < n; ++j) {
+        const uint32_t* row = s + (blk * kCols + j) * kp;
+        uint32_t* col = d + blk * kp * kCols + j;
+        for (int64_t p = 0; p < kp; ++p) col[p * kCols] = row[p];
+      }
+  });
+  return out;
+}
+
+#ifdef BATCHGEN_DPBF16
+
+// The lines of the next chunk's weights to pull into L2: `runs` contiguous runs (one per block) of
+// `run` lines, `gap` bytes apart; a tile prefetches lines [first, first + lines).
+struct Prefetch {
+  const char* p = nullptr;
+  int64_t first = 0, lines = 0, run = 1, gap = 0;
+  inline void line(int64_t i) const {
+    const int64_t l = first + i;
+    _mm_prefetch(p + (l / run) * gap + 64 * (l % run), _MM_HINT_T1);
+  }
+};
+
+struct Out {
+  uint16_t* c;      // output rows (bf16), ldc apart
+  int64_t ldc;
+  float* part;      // fp32 partial sums [rows, 64] between K chunks
+  const float* bias;
+  int last_cols;    // valid columns of the tile's last block (16 unless at N's end)
+  bool first, last;
+};
+
+template <int MR, int NB>
+inline void tile(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t bstride, int64_t kp_n, const Out& o,
+                 const Prefetch& pf) {
+  __m512 acc[MR][NB];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j)
+      acc[i][j] = o.first ? _mm512_setzero_ps() : _mm512_loadu_ps(o.part + i * 64 + j * kCols);
+  const int64_t every = pf.lines > 0 ? std::max<int64_t>(1, kp_n / pf.lines) : INT64_MAX;
+  int64_t done = 0;
+  for (int64_t kp = 0; kp < kp_n; ++kp) {
+    __m512bh w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = (__m512bh)_mm512_loadu_si512(b + j * bstride + kp * 32);
+    if ((kp & 1) == 0)
+      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(b + j * bstride + (kp + 16) * 32), _MM_HINT_T0);
+    if (kp % every == 0 && done < pf.lines) pf.line(done++);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + i * lda + kp * 2));
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x, w[j]);
+    }
+  }
+  for (; done < pf.lines; ++done) pf.line(done);
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j) {
+      __m512 v = acc[i][j];
+      if (!o.last) {
+        _mm512_storeu_ps(o.part + i * 64 + j * kCols, v);
+        continue;
+      }
+      const int cols = j == NB - 1 ? o.last_cols : static_cast<int>(kCols);
+      const __mmask16 m = static_cast<__mmask16>((1u << cols) - 1u);
+      if (o.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, o.bias + j * kCols));
+      _mm256_mask_storeu_epi16(o.c + i * o.ldc + j * kCols, m, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+// All rows of a, one chunk of one panel; the prefetch is spread over the row tiles.
+template <int NB>
+void rows(const uint16_t* a, int64_t m, int64_t lda, const uint16_t* b, int64_t bstride, int64_t kp_n, Out o,
+          const Prefetch& pf) {
+  const int64_t tiles = (m + kRows - 1) / kRows, per = (pf.lines + tiles - 1) / tiles;
+  for (int64_t r = 0, t = 0; r < m; r += kRows, ++t) {
+    Prefetch q = pf;
+    q.first = std::min(pf.lines, t * per);
+    q.lines = std::min(pf.lines, q.first + per) - q.first;
+    Out ot = o;
+    ot.c = o.c + r * o.ldc;
+    ot.part = o.part + r * 64;
+    const uint16_t* ar = a + r * lda;
+    switch (std::min<int64_t>(kRows, m - r)) {
+      case 6: tile<6, NB>(ar, lda, b, bstride, kp_n, ot, q); break;
+      case 5: tile<5, NB>(ar, lda, b, bstride, kp_n, ot, q); break;
+      case 4: tile<4, NB>(ar, lda, b, bstride, kp_n, ot, q); break;
+      case 3: tile<3, NB>(ar, lda, b, bstride, kp_n, ot, q); break;
+      case 2: tile<2, NB>(ar, lda, b, bstride, kp_n, ot, q); break;
+      default: tile<1, NB>(ar, lda, b, bstride, kp_n, ot, q); break;
+    }
+  }
+}
+
+#endif  // BATCHGEN_DPBF16
+
+// out [M, N] bf16 (contiguous) = x [M, K] bf16 (unit column stride) @ W.T + bias (fp32 [N] or none),
+// W packed by pack_bf16_weight.
+void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
+#ifdef BATCHGEN_DPBF16
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "gemm_bf16: x [M, K] bf16 rows");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kCols && packed.size(3) == 2 && packed.is_contiguous(),
+              "gemm_bf16: a weight from pack_bf16_weight");
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), kp = packed.size(1);
+  TORCH_CHECK(k == 2 * kp, "gemm_bf16: x has ", k, " features, the weight ", 2 * kp);
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == m && out.scalar_type() == at::kBFloat16 &&
+                  (n + kCols - 1) / kCols == packed.size(0), "gemm_bf16: out [M, N] bf16 for this weight");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous()),
+              "gemm_bf16: bias fp32 [N]");
+  if (m == 0 || n == 0) return;
+  const uint16_t* a = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  uint16_t* c = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const int64_t lda = x.stride(0), nblk = packed.size(0), panels = (nblk + kPanel - 1) / kPanel;
+  const int64_t bstride = kp * 32;  // elements per block
+  const int64_t chunks = (kp + kChunkPairs - 1) / kChunkPairs, chunk = (kp + chunks - 1) / chunks;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> part(chunks > 1 ? m * 64 : 0);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t blk0 = p * kPanel, nb = std::min<int64_t>(kPanel, nblk - blk0);
+      const int64_t cols = std::min<int64_t>(kCols, n - (blk0 + nb - 1) * kCols);
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        const int64_t k0 = ch * chunk, kn = std::min(chunk, kp - k0);
+        Prefetch pf;  // the next chunk of this panel, else the first chunk of the next panel
+        const int64_t np = ch + 1 < chunks ? p : p + 1, nk0 = ch + 1 < chunks ? k0 + chunk : 0;
+        if (np < end) {
+          pf.p = reinterpret_cast<const char*>(w + np * kPanel * bstride + nk0 * 32);
+          pf.run = std::min(chunk, kp - nk0);  // one 64-byte line per k pair
+          pf.gap = bstride * 2;
+          pf.lines = pf.run * std::min<int64_t>(kPanel, nblk - np * kPanel);
+        }
+        Out o{c + blk0 * kCols, n, part.data(), bp ? bp + blk0 * kCols : nullptr, static_cast<int>(cols),
+              ch == 0, ch == chunks - 1};
+        const uint16_t* ak = a + k0 * 2;
+        const uint16_t* wk = w + blk0 * bstride + k0 * 32;
+        switch (nb) {
+          case 4: rows<4>(ak, m, lda, wk, bstride, kn, o, pf); break;
+          case 3: rows<3>(ak, m, lda, wk, bstride, kn, o, pf); break;
+          case 2: rows<2>(ak, m, lda, wk, bstride, kn, o, pf); break;
+          default: rows<1>(ak, m, lda, wk, bstride, kn, o, pf); break;
+        }
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "gemm_bf16: this build has no AVX512-BF16 (check has_dpbf16_gemm first)");
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
+  m.def("has_dpbf16_gemm() -> bool", &has_dpbf16_gemm);
+  m.def("pack_bf16_weight(Tensor w) -> Tensor", &pack_bf16_weight);
+  m.def("gemm_bf16(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()", &gemm_bf16);
+}

@@ -1,0 +1,76 @@
+"""The dpbf16 GEMM (kernels/csrc/gemm_cpu.cpp) against fp32 matmuls, and where `auto` picks it."""
+import pytest
+import torch
+
+from batchgen.runner import build, linear
+from batchgen.runner.linear import Linear
+
+needs_op = pytest.mark.skipif(not linear.dpbf16_available(), reason="no AVX512-BF16 build of the C++ ops here")
+
+
+def _ref(x, w, b):
+    """fp32 sums of the bf16 inputs, rounded once to bf16: what the kernel computes."""
+    y = x.float() @ w.float().t()
+    return (y + b.float() if b is not None else y).to(torch.bfloat16).float()
+
+
+@needs_op
+# N: whole 64-column panels, a 3-block and a 1-block last panel, and a ragged last block (N % 16);
+# K: one chunk, several (K > 2,048: fp32 partial sums between chunks) and a ragged last chunk.
+@pytest.mark.parametrize("n,k", [(128, 64), (176, 96), (80, 4098), (33, 2050), (1, 6000), (1000, 130)])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 64])  # full 6-row tiles and every tail
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_matches_fp32_sums(n, k, m, bias):
+    g = torch.Generator().manual_seed(n * 31 + k + m)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    x = torch.randn(m, k, generator=g).bfloat16()
+    lin = Linear(w, b, "dpbf16")
+    assert lin.path == "dpbf16" and lin.weight.shape == ((n + 15) // 16, k // 2, 16, 2)
+    out = lin(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    want = _ref(x, w, b)
+    # Only the fp32 summation order differs: at most one bf16 step on the larger values.
+    err = (out.float() - want).abs()
+    tol = 2 ** -7 * want.abs() + 1e-3 * want.abs().max()
+    assert bool((err <= tol).all()), f"max error {err.max().item()} at {divmod(int(err.argmax()), n)}"
+
+
+@needs_op
+def test_gemm_reads_strided_rows_and_leading_dims():
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(96, 64, generator=g) * 0.05).bfloat16()
+    lin = Linear(w, None, "dpbf16")
+    wide = torch.randn(10, 200, generator=g).bfloat16()
+    x = wide[:, 40:104]  # rows 200 apart
+    assert x.stride() == (200, 1)
+    torch.testing.assert_close(lin(x).float(), _ref(x, w, None), rtol=2 ** -7, atol=1e-3)
+    x3 = torch.randn(2, 3, 64, generator=g).bfloat16()
+    y3 = lin(x3)
+    assert y3.shape == (2, 3, 96)
+    torch.testing.assert_close(y3.reshape(6, 96), lin(x3.reshape(6, 64)), rtol=0, atol=0)
+    assert lin(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 96)
+
+
+@needs_op
+def test_weights_it_cannot_take_stay_on_onednn():
+    assert Linear(torch.randn(32, 64), None, "dpbf16").path == "onednn"  # fp32 model
+    assert Linear(torch.randn(32, 63).bfloat16(), None, "dpbf16").path == "onednn"  # odd K: no k pairs
+
+
+def test_auto_takes_dpbf16_only_without_amx(monkeypatch):
+    from batchgen.config import EngineSpec
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(linear, "dpbf16_available", lambda: True)
+    monkeypatch.setattr(linear, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16).linear_path == "dpbf16"
+    monkeypatch.setattr(linear, "_cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
+    assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16).linear_path == "onednn"
+    monkeypatch.setattr(linear, "dpbf16_available", lambda: False)
+    monkeypatch.setattr(linear, "_cpu_flags", lambda: {"avx512f"})
+    assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16).linear_path in ("onednn", "plain")
+    from batchgen.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="engine.linear_path: dpbf16"):
+        build.choose_backend(EngineSpec(linear_path="dpbf16"), cpu, torch.bfloat16)
