@@ -48,12 +48,13 @@ at::Tensor pack_bf16_weight(at::Tensor w) {
   const uint32_t* s = reinterpret_cast<const uint32_t*>(src.data_ptr());
   uint32_t* d = reinterpret_cast<uint32_t*>(out.data_ptr());
   at::parallel_for(0, nblk, 1, [&](int64_t b, int64_t e) {
-    for (int64_t blk = b; blk < e; ++blk)
-      for (int64_t j = 0; j < kCols && blk * kCols + j < n; ++j) {
-        const uint32_t* row = s + (blk * kCols + j) * kp;
-        uint32_t* col = d + blk * kp * kCols + j;
-        for (int64_t p = 0; p < kp; ++p) col[p * kCols] = row[p];
-      }
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t cols = std::min(kCols, n - blk * kCols);
+      const uint32_t* rows = s + blk * kCols * kp;
+      uint32_t* dst = d + blk * kp * kCols;
+      for (int64_t p = 0; p < kp; ++p)  // 16 sequential reads, one sequential write
+        for (int64_t j = 0; j < cols; ++j) dst[p * kCols + j] = rows[j * kp + p];
+    }
   });
   return out;
 }
