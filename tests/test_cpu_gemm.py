@@ -37,6 +37,20 @@ def test_gemm_matches_fp32_sums(n, k, m, bias):
 
 
 @needs_op
+@pytest.mark.parametrize("m", [192, 389, 1030])  # prefill-sized row counts, with and without a tail
+def test_chunked_k_with_many_rows(m):
+    """K > 2,048 over hundreds of rows: every row tile keeps its own partial sums between chunks."""
+    g = torch.Generator().manual_seed(m)
+    w = (torch.randn(72, 4100, generator=g) * 0.05).bfloat16()
+    b = torch.randn(72, generator=g).bfloat16()
+    x = torch.randn(m, 4100, generator=g).bfloat16()
+    out, want = Linear(w, b, "dpbf16")(x).float(), _ref(x, w, b)
+    err = (out - want).abs()
+    tol = 2 ** -7 * want.abs() + 1e-3 * want.abs().max()
+    assert bool((err <= tol).all()), f"max error {err.max().item()} at {divmod(int(err.argmax()), 72)}"
+
+
+@needs_op
 def test_gemm_reads_strided_rows_and_leading_dims():
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(96, 64, generator=g) * 0.05).bfloat16()
