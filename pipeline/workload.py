@@ -6,6 +6,7 @@ over 1024 tokens and pairs over 2048.
 """
 from __future__ import annotations
 
+import functools
 import json
 import random
 from dataclasses import dataclass
@@ -96,21 +97,36 @@ def sample_workload(name: str, tokenizer, num_prompts: int, output_cap: int | No
     return items
 
 
+@functools.lru_cache(maxsize=None)
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    """(model name, flags) of the first CPU in /proc/cpuinfo; empty where there is none."""
+    model, flags = "", frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = frozenset(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return model, flags
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (avx512_bf16, amx_bf16, ...), as /proc/cpuinfo lists them."""
+    return _cpuinfo()[1]
+
+
 def cpu_info() -> dict:
     """The CPU's model name and the ISA features batchgen's kernels use where present."""
     import platform
 
-    flags, model = set(), platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model in ("", platform.machine()):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    name, flags = _cpuinfo()
+    model = platform.processor() or platform.machine()
+    if name and model in ("", platform.machine()):
+        model = name
     used = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
             if f in flags]
     return {"model": model, "isa": used,

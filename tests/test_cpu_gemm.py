@@ -77,12 +77,12 @@ def test_auto_takes_dpbf16_only_without_amx(monkeypatch):
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(linear, "dpbf16_available", lambda: True)
-    monkeypatch.setattr(linear, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(linear, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16).linear_path == "dpbf16"
-    monkeypatch.setattr(linear, "_cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
+    monkeypatch.setattr(linear, "cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
     assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16).linear_path == "onednn"
     monkeypatch.setattr(linear, "dpbf16_available", lambda: False)
-    monkeypatch.setattr(linear, "_cpu_flags", lambda: {"avx512f"})
+    monkeypatch.setattr(linear, "cpu_flags", lambda: {"avx512f"})
     assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16).linear_path in ("onednn", "plain")
     from batchgen.errors import ConfigError
 

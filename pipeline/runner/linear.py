@@ -17,20 +17,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ..workload import cpu_flags
+
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,7 +34,7 @@ def dpbf16_available() -> bool:
 
 def dpbf16_preferred() -> bool:
     """Whether `auto` takes dpbf16: it runs here and the CPU has no AMX (where oneDNN uses AMX tiles)."""
-    return "amx_bf16" not in _cpu_flags() and dpbf16_available()
+    return "amx_bf16" not in cpu_flags() and dpbf16_available()
 
 
 class Linear:
