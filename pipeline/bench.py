@@ -134,10 +134,10 @@ def run_hf_continuous(hf_model, items: list[WorkloadItem], max_requests: int = 1
 
 
 def gemm_ceiling(shape, items: list[WorkloadItem], batch: int = 256) -> dict:
-    """Measured GEMM FLOP/s at the model's shapes (fp32 and bf16, F.linear, oneDNN and dpbf16; the best of
+    """Measured GEMM FLOP/s at the model's shapes (fp32 and bf16, F.linear, oneDNN, dpbf16 and fma; the best of
     15 calls each), and the output tok/s this workload would reach if it ran at the fastest path's
     rate."""
-    from .runner.linear import Linear, dpbf16_available, onednn_available
+    from .runner.linear import Linear, dpbf16_available, fma_available, onednn_available
 
     h, q = shape.hidden_size, shape.num_heads * shape.head_dim
     kv = 2 * shape.num_kv_heads * shape.head_dim
@@ -145,10 +145,14 @@ def gemm_ceiling(shape, items: list[WorkloadItem], batch: int = 256) -> dict:
     paths = ["plain"] + (["onednn"] if onednn_available() else [])
     rates = {}
     for dtype in (torch.float32, torch.bfloat16):
-        for path in paths + (["dpbf16"] if dtype == torch.bfloat16 and dpbf16_available() else []):
+        own = [p for p, ok in (("dpbf16", dpbf16_available), ("fma", fma_available)) if ok()]
+        for path in paths + (own if dtype == torch.bfloat16 else []):
             flops = secs = 0.0
             for k, n in mats:
                 lin = Linear(torch.randn(n, k, dtype=dtype), None, path)
+                if lin.path != path:  # e.g. bf16 onto oneDNN where it has no bf16 kernels: measured as fma
+                    secs = 0.0
+                    break
                 x = torch.randn(batch, k, dtype=dtype)
                 for _ in range(3):
                     lin(x)
@@ -161,7 +165,8 @@ def gemm_ceiling(shape, items: list[WorkloadItem], batch: int = 256) -> dict:
                 # The fastest of 15: a ceiling is what the machine can do, and on a shared machine
                 # a median moves between runs.
                 secs += min(ts)
-            rates[f"{str(dtype).replace('torch.', '')}/{path}"] = flops / secs
+            if secs:
+                rates[f"{str(dtype).replace('torch.', '')}/{path}"] = flops / secs
     p_tok = sum(len(w.prompt_token_ids) for w in items)
     o_tok = sum(w.output_len for w in items)
     non_emb = shape.non_embedding_params()

@@ -127,8 +127,9 @@ class EngineSpec(Strict):
                                                         "prefix blocks; 0 turns it off")
     preemption: Literal["auto", "swap", "recompute"] = Field(
         "auto", description="A preempted request's KV: swap to the CPU tier, recompute later, or auto (by estimated cost)")
-    linear_path: Literal["auto", "plain", "onednn", "dpbf16"] = Field(
-        "auto", description="CPU GEMM path; plain is F.linear, dpbf16 our AVX512-BF16 GEMM for bf16 weights")
+    linear_path: Literal["auto", "plain", "onednn", "dpbf16", "fma"] = Field(
+        "auto", description="CPU GEMM path; plain is F.linear, dpbf16 our AVX512-BF16 GEMM for bf16 weights, fma "
+                            "the same for AVX2 CPUs (where oneDNN has no bf16)")
     decode_attention: Literal["batched", "exact"] = "batched"
     attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
         "auto", description="auto: Triton kernels on CUDA; on a CPU the C++ decode op (cpu), built on first use, or "

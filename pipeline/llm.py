@@ -93,7 +93,7 @@ class Engine:
         self.device = build.resolve_device(model.device)
         self.dtype = build.resolve_dtype(model.dtype, self.device)
         self.kv_dtype = build.resolve_kv_dtype(spec.kv_cache_dtype, self.dtype)
-        self.backend = backend = build.choose_backend(spec, self.device, self.kv_dtype)
+        self.backend = backend = build.choose_backend(spec, self.device, self.kv_dtype, self.dtype)
         def layer_loaded(i: int) -> None:
             release_freed_memory()
             if on_layer is not None:

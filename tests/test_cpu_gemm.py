@@ -1,4 +1,5 @@
-"""The dpbf16 GEMM (kernels/csrc/gemm_cpu.cpp) against fp32 matmuls, and where `auto` picks it."""
+"""Our bf16 GEMMs (kernels/csrc/gemm_cpu.cpp: dpbf16 on AVX512-BF16, fma on AVX2) against fp32
+matmuls, and where `auto` picks them."""
 import pytest
 import torch
 
@@ -6,6 +7,9 @@ from batchgen.runner import build, linear
 from batchgen.runner.linear import Linear
 
 needs_op = pytest.mark.skipif(not linear.dpbf16_available(), reason="no AVX512-BF16 build of the C++ ops here")
+needs_fma = pytest.mark.skipif(not linear.fma_available(), reason="no AVX2/FMA build of the C++ ops here")
+# Every test of the kernels runs on both; an AVX-512 machine runs the fma one too.
+PATHS = [pytest.param("dpbf16", marks=needs_op), pytest.param("fma", marks=needs_fma)]
 
 
 def _ref(x, w, b):
@@ -14,19 +18,19 @@ def _ref(x, w, b):
     return (y + b.float() if b is not None else y).to(torch.bfloat16).float()
 
 
-@needs_op
+@pytest.mark.parametrize("path", PATHS)
 # N: whole 64-column panels, a 3-block and a 1-block last panel, and a ragged last block (N % 16);
 # K: one chunk, several (K > 2,048: fp32 partial sums between chunks) and a ragged last chunk.
 @pytest.mark.parametrize("n,k", [(128, 64), (176, 96), (80, 4098), (33, 2050), (1, 6000), (1000, 130)])
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 64])  # full 6-row tiles and every tail
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemm_matches_fp32_sums(n, k, m, bias):
+def test_gemm_matches_fp32_sums(n, k, m, bias, path):
     g = torch.Generator().manual_seed(n * 31 + k + m)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     x = torch.randn(m, k, generator=g).bfloat16()
-    lin = Linear(w, b, "dpbf16")
-    assert lin.path == "dpbf16" and lin.weight.shape == ((n + 15) // 16, k // 2, 16, 2)
+    lin = Linear(w, b, path)
+    assert lin.path == path and lin.weight.shape == ((n + 15) // 16, k // 2, 16, 2)
     out = lin(x)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     want = _ref(x, w, b)
@@ -36,25 +40,25 @@ def test_gemm_matches_fp32_sums(n, k, m, bias):
     assert bool((err <= tol).all()), f"max error {err.max().item()} at {divmod(int(err.argmax()), n)}"
 
 
-@needs_op
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("m", [192, 389, 1030])  # prefill-sized row counts, with and without a tail
-def test_chunked_k_with_many_rows(m):
+def test_chunked_k_with_many_rows(m, path):
     """K > 2,048 over hundreds of rows: every row tile keeps its own partial sums between chunks."""
     g = torch.Generator().manual_seed(m)
     w = (torch.randn(72, 4100, generator=g) * 0.05).bfloat16()
     b = torch.randn(72, generator=g).bfloat16()
     x = torch.randn(m, 4100, generator=g).bfloat16()
-    out, want = Linear(w, b, "dpbf16")(x).float(), _ref(x, w, b)
+    out, want = Linear(w, b, path)(x).float(), _ref(x, w, b)
     err = (out - want).abs()
     tol = 2 ** -7 * want.abs() + 1e-3 * want.abs().max()
     assert bool((err <= tol).all()), f"max error {err.max().item()} at {divmod(int(err.argmax()), 72)}"
 
 
-@needs_op
-def test_gemm_reads_strided_rows_and_leading_dims():
+@pytest.mark.parametrize("path", PATHS)
+def test_gemm_reads_strided_rows_and_leading_dims(path):
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(96, 64, generator=g) * 0.05).bfloat16()
-    lin = Linear(w, None, "dpbf16")
+    lin = Linear(w, None, path)
     wide = torch.randn(10, 200, generator=g).bfloat16()
     x = wide[:, 40:104]  # rows 200 apart
     assert x.stride() == (200, 1)
@@ -66,16 +70,40 @@ def test_gemm_reads_strided_rows_and_leading_dims():
     assert lin(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 96)
 
 
-@needs_op
-def test_weights_it_cannot_take_stay_on_onednn():
-    assert Linear(torch.randn(32, 64), None, "dpbf16").path == "onednn"  # fp32 model
-    assert Linear(torch.randn(32, 63).bfloat16(), None, "dpbf16").path == "onednn"  # odd K: no k pairs
+@pytest.mark.parametrize("path", PATHS)
+def test_weights_it_cannot_take_stay_on_onednn(path):
+    assert Linear(torch.randn(32, 64), None, path).path == "onednn"  # fp32 model
+    w = (torch.randn(32, 63) * 0.05).bfloat16()
+    odd = Linear(w, None, path)  # odd K: no k pairs; F.linear where oneDNN has no bf16
+    assert odd.path == ("onednn" if linear.onednn_bf16_available() else "plain")
+    x = torch.randn(3, 63).bfloat16()
+    torch.testing.assert_close(odd(x).float(), _ref(x, w, None), rtol=2 ** -7, atol=1e-3)
+
+
+def test_onednn_without_bf16_kernels_takes_fma(monkeypatch):
+    """A bf16 weight asked onto oneDNN where oneDNN refuses bf16 (AVX2-only CPUs) lands on fma
+    (or F.linear without the C++ ops); the engine refuses an explicit onednn for a bf16 model."""
+    from batchgen.config import EngineSpec
+    from batchgen.errors import ConfigError
+
+    monkeypatch.setattr(linear, "onednn_bf16_available", lambda: False)
+    w = (torch.randn(48, 64) * 0.05).bfloat16()
+    lin = Linear(w, None, "onednn")
+    assert lin.path == ("fma" if linear.fma_available() else "plain")
+    x = torch.randn(5, 64).bfloat16()
+    torch.testing.assert_close(lin(x).float(), _ref(x, w, None), rtol=2 ** -7, atol=1e-3)
+    assert Linear(torch.randn(48, 64), None, "onednn").path == "onednn"  # fp32 stays
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigError, match="engine.linear_path: onednn has no bf16"):
+        build.choose_backend(EngineSpec(linear_path="onednn"), cpu, torch.bfloat16, torch.bfloat16)
+    build.choose_backend(EngineSpec(linear_path="onednn"), cpu, torch.float32, torch.float32)
 
 
 def test_auto_takes_dpbf16_only_without_amx(monkeypatch):
     from batchgen.config import EngineSpec
 
     cpu = torch.device("cpu")
+    monkeypatch.setattr(linear, "onednn_bf16_available", lambda: True)
     monkeypatch.setattr(linear, "dpbf16_available", lambda: True)
     monkeypatch.setattr(linear, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16).linear_path == "dpbf16"
@@ -88,3 +116,20 @@ def test_auto_takes_dpbf16_only_without_amx(monkeypatch):
 
     with pytest.raises(ConfigError, match="engine.linear_path: dpbf16"):
         build.choose_backend(EngineSpec(linear_path="dpbf16"), cpu, torch.bfloat16)
+
+
+def test_auto_takes_fma_where_onednn_has_no_bf16(monkeypatch):
+    from batchgen.config import EngineSpec
+    from batchgen.errors import ConfigError
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(linear, "dpbf16_available", lambda: False)
+    monkeypatch.setattr(linear, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(linear, "onednn_bf16_available", lambda: False)
+    monkeypatch.setattr(linear, "fma_available", lambda: True)
+    assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16, torch.bfloat16).linear_path == "fma"
+    monkeypatch.setattr(linear, "onednn_bf16_available", lambda: True)  # AVX-512 without bf16 dot products
+    assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16, torch.bfloat16).linear_path == "onednn"
+    monkeypatch.setattr(linear, "fma_available", lambda: False)
+    with pytest.raises(ConfigError, match="engine.linear_path: fma"):
+        build.choose_backend(EngineSpec(linear_path="fma"), cpu, torch.bfloat16, torch.bfloat16)

@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 from batchgen.cli import app
 from batchgen.engine.request import SamplingParams
 from batchgen.llm import Engine, GenerationRequest
-from batchgen.runner.linear import dpbf16_available
+from batchgen.runner.linear import dpbf16_available, fma_available, onednn_bf16_available
 from batchgen.workload import sample_sharegpt
 from conftest import REPO
 from helpers import engine_specs, read_output
@@ -87,11 +87,17 @@ def check_logprobs_close(ours, ref) -> int:
 
 
 @pytest.mark.parametrize("path", [dict(dtype="float32", linear_path="onednn", decode_attention="batched"),
-                                  dict(dtype="bfloat16", linear_path="onednn", decode_attention="batched"),
+                                  pytest.param(dict(dtype="bfloat16", linear_path="onednn", decode_attention="batched"),
+                                               marks=pytest.mark.skipif(not onednn_bf16_available(),
+                                                                        reason="oneDNN has no bf16 kernels here")),
                                   pytest.param(dict(dtype="bfloat16", linear_path="dpbf16", decode_attention="batched"),
                                                marks=pytest.mark.skipif(not dpbf16_available(),
-                                                                        reason="no AVX512-BF16 here"))],
-                         ids=["fp32-onednn", "bf16-onednn", "bf16-dpbf16"])
+                                                                        reason="no AVX512-BF16 here")),
+                                  # where it is auto's bf16 path (the kernel runs everywhere in test_cpu_gemm)
+                                  pytest.param(dict(dtype="bfloat16", linear_path="fma", decode_attention="batched"),
+                                               marks=pytest.mark.skipif(onednn_bf16_available() or not fma_available(),
+                                                                        reason="oneDNN takes bf16 here"))],
+                         ids=["fp32-onednn", "bf16-onednn", "bf16-dpbf16", "bf16-fma"])
 def test_fast_paths_are_close_to_transformers(hf_model, smol_tokenizer, workload, reference, path, record_property):
     ours = generate(hf_model, smol_tokenizer, workload, **path)
     exact = check_logprobs_close(ours, reference)

@@ -32,7 +32,7 @@ inline void st(c10::BFloat16* p, int64_t i, float v) {  // round to nearest even
   reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(b >> 16);
 }
 
-// Whole rows between bf16 and fp32 (AVX-512 where compiled for it), so math loops can run on
+// Whole rows between bf16 and fp32 (AVX-512 or AVX2 where compiled for it), so math loops can run on
 // plain float arrays and vectorise, exp included (libmvec).
 inline void row_to_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void row_to_f32(const c10::BFloat16* src, float* dst, int64_t n) {
@@ -42,6 +42,11 @@ inline void row_to_f32(const c10::BFloat16* src, float* dst, int64_t n) {
   for (; i + 16 <= n; i += 16) {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
     _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+  }
+#elif defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
   }
 #endif
   for (; i < n; ++i) dst[i] = to_f(src[i]);
@@ -56,6 +61,14 @@ inline void row_from_f32(const float* src, c10::BFloat16* dst, int64_t n) {
     const __m512i b = _mm512_castps_si512(_mm512_loadu_ps(src + i));
     const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(b, 16), one)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  }
+#elif defined(__AVX2__)
+  const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+  for (; i + 16 <= n; i += 16) {  // round to nearest even; packus keeps lanes, the permute orders them
+    const __m256i a = _mm256_castps_si256(_mm256_loadu_ps(src + i)), b = _mm256_castps_si256(_mm256_loadu_ps(src + i + 8));
+    const __m256i ra = _mm256_srli_epi32(_mm256_add_epi32(a, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(a, 16), one))), 16);
+    const __m256i rb = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(b, 16), one))), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), _mm256_permute4x64_epi64(_mm256_packus_epi32(ra, rb), 0xD8));
   }
 #endif
   for (; i < n; ++i) st(dst, i, src[i]);

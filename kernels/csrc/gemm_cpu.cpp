@@ -1,4 +1,5 @@
-// bf16 GEMM on AVX512-BF16 CPUs without AMX (AMD Zen 4/5, Intel Cooper Lake): y = x @ W.T (+ b).
+// bf16 GEMMs for CPUs without AMX: y = x @ W.T (+ b). gemm_bf16 for AVX512-BF16 (AMD Zen 4/5,
+// Intel Cooper Lake), gemm_bf16_fma for AVX2 + FMA (below), both on pack_bf16_weight's layout.
 //
 // oneDNN's bf16 kernels reach the dot-product peak on large row counts, but a decode step has
 // tens of rows, and there oneDNN ran at 75-85% of its 256-row rate on Qwen2.5-1.5B's shapes: it
@@ -14,10 +15,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define BATCHGEN_DPBF16 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define BATCHGEN_FMA_BF16 1
+#endif
+#if defined(BATCHGEN_DPBF16) || defined(BATCHGEN_FMA_BF16)
 #include <immintrin.h>
 #endif
 
@@ -30,6 +37,14 @@ constexpr int64_t kChunkPairs = 1024;  // k pairs per L2 chunk of a panel (4 x 1
 
 bool has_dpbf16_gemm() {
 #ifdef BATCHGEN_DPBF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool has_fma_bf16_gemm() {
+#ifdef BATCHGEN_FMA_BF16
   return true;
 #else
   return false;
@@ -142,19 +157,180 @@ void rows(const uint16_t* a, int64_t m, int64_t lda, const uint16_t* b, int64_t 
 
 #endif  // BATCHGEN_DPBF16
 
+#ifdef BATCHGEN_FMA_BF16
+// The same GEMM for AVX2 CPUs without AVX-512 (AMD Zen 2/3, Intel Haswell to Alder Lake client
+// parts), where oneDNN has no bf16 kernels at all and F.linear's bf16 fallback runs at a tenth of
+// the fp32 rate. The weight keeps pack_bf16_weight's layout: one k pair of 8 columns is one 256-bit
+// load, and two integer ops widen it to fp32 in registers (k0 = the word shifted up 16 bits, k1 =
+// its high half masked), so the weight stream stays bf16 (half fp32's bytes) and the arithmetic is
+// fp32 FMA. x is widened once per 6-row tile and K chunk into a small fp32 buffer, which the tile
+// broadcasts from. The tile is 6 rows x 16 columns (12 accumulators, 2 weight vectors, one
+// broadcast and the mask: all 16 ymm registers).
+namespace fma {
+
+constexpr int kRows = 6;
+constexpr int64_t kChunkPairs = 1024;  // k pairs per L2 chunk: 4 blocks x 1024 x 64 B = 256 KiB of weights
+
+struct Out {
+  uint16_t* c;         // output rows (bf16), ldc apart, at this block's first column
+  int64_t ldc;
+  float* part;         // fp32 partial sums between K chunks, 64 per row, at this block
+  const float* bias;   // at this block, or null
+  int cols;            // valid columns of this block (16 unless at N's end)
+  bool first, last;
+};
+
+inline void store_bf16(uint16_t* dst, __m256 lo, __m256 hi, int cols) {
+  const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+  auto round = [&](__m256 v) {  // to nearest even, as c10::BFloat16 does
+    const __m256i b = _mm256_castps_si256(v);
+    return _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(b, 16), one))), 16);
+  };
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round(lo), round(hi)), 0xD8);
+  if (cols == 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
+  } else {
+    alignas(32) uint16_t tmp[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), packed);
+    std::memcpy(dst, tmp, cols * sizeof(uint16_t));
+  }
+}
+
+// MR rows of fp32 x (lda apart) times one 16-column block of packed weights, kp_n k pairs.
+template <int MR>
+__attribute__((noinline)) void tile(const float* a, int64_t lda, const uint16_t* b, int64_t kp_n, const Out& o) {
+  __m256 acc[MR][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int j = 0; j < 2; ++j) acc[i][j] = o.first ? _mm256_setzero_ps() : _mm256_loadu_ps(o.part + i * 64 + j * 8);
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t kp = 0; kp < kp_n; ++kp) {
+    const __m256i* wp = reinterpret_cast<const __m256i*>(b + kp * 32);
+    _mm_prefetch(reinterpret_cast<const char*>(b + (kp + 12) * 32), _MM_HINT_T0);
+    __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wp), 16));
+    __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wp + 1), 16));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m256 x = _mm256_broadcast_ss(a + i * lda + 2 * kp);
+      acc[i][0] = _mm256_fmadd_ps(x, w0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(x, w1, acc[i][1]);
+    }
+    w0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wp), high));
+    w1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wp + 1), high));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m256 x = _mm256_broadcast_ss(a + i * lda + 2 * kp + 1);
+      acc[i][0] = _mm256_fmadd_ps(x, w0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(x, w1, acc[i][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    if (!o.last) {
+      _mm256_storeu_ps(o.part + i * 64, acc[i][0]);
+      _mm256_storeu_ps(o.part + i * 64 + 8, acc[i][1]);
+      continue;
+    }
+    __m256 lo = acc[i][0], hi = acc[i][1];
+    if (o.bias) {
+      alignas(32) float bb[16] = {};
+      std::memcpy(bb, o.bias, o.cols * sizeof(float));
+      lo = _mm256_add_ps(lo, _mm256_load_ps(bb));
+      hi = _mm256_add_ps(hi, _mm256_load_ps(bb + 8));
+    }
+    store_bf16(o.c + i * o.ldc, lo, hi, o.cols);
+  }
+}
+
+// rows bf16 [mr, 2 * kn] (lda apart) -> fp32 [mr, 2 * kn] (ldf apart)
+inline void widen(const uint16_t* a, int64_t lda, int64_t mr, int64_t kn, float* f, int64_t ldf) {
+  for (int64_t i = 0; i < mr; ++i) {
+    const uint16_t* s = a + i * lda;
+    float* d = f + i * ldf;
+    int64_t j = 0;
+    for (; j + 8 <= 2 * kn; j += 8) {
+      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + j)));
+      _mm256_storeu_ps(d + j, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+    for (; j < 2 * kn; ++j) {
+      const uint32_t bits = static_cast<uint32_t>(s[j]) << 16;
+      std::memcpy(d + j, &bits, 4);
+    }
+  }
+}
+
+void gemm(uint16_t* c, const uint16_t* a, int64_t m, int64_t lda, const uint16_t* w, int64_t n, int64_t nblk,
+          int64_t kp, const float* bias) {
+  constexpr int64_t kPanel = 4;  // blocks per task: 64 columns
+  const int64_t panels = (nblk + kPanel - 1) / kPanel, bstride = kp * 32;
+  const int64_t chunks = (kp + kChunkPairs - 1) / kChunkPairs, chunk = (kp + chunks - 1) / chunks;
+  // +16 floats: rows 2 x 1,024 x 4 B apart would share L1 sets
+  const int64_t ldf = 2 * chunk + 16;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> part(chunks > 1 ? m * 64 : 0), af(kRows * ldf);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t blk0 = p * kPanel, nb = std::min<int64_t>(kPanel, nblk - blk0);
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        const int64_t k0 = ch * chunk, kn = std::min(chunk, kp - k0);
+        for (int64_t r = 0; r < m; r += kRows) {
+          const int64_t mr = std::min<int64_t>(kRows, m - r);
+          widen(a + r * lda + 2 * k0, lda, mr, kn, af.data(), ldf);
+          for (int64_t j = 0; j < nb; ++j) {
+            const int64_t blk = blk0 + j;
+            Out o{c + r * n + blk * 16, n, part.data() + r * 64 + j * 16, bias ? bias + blk * 16 : nullptr,
+                  static_cast<int>(std::min<int64_t>(16, n - blk * 16)), ch == 0, ch == chunks - 1};
+            const uint16_t* wb = w + blk * bstride + k0 * 32;
+            switch (mr) {
+              case 6: tile<6>(af.data(), ldf, wb, kn, o); break;
+              case 5: tile<5>(af.data(), ldf, wb, kn, o); break;
+              case 4: tile<4>(af.data(), ldf, wb, kn, o); break;
+              case 3: tile<3>(af.data(), ldf, wb, kn, o); break;
+              case 2: tile<2>(af.data(), ldf, wb, kn, o); break;
+              default: tile<1>(af.data(), ldf, wb, kn, o); break;
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace fma
+#endif  // BATCHGEN_FMA_BF16
+
+void check_gemm_args(const char* op, const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, op, ": x [M, K] bf16 rows");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kCols && packed.size(3) == 2 && packed.is_contiguous(),
+              op, ": a weight from pack_bf16_weight");
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), kp = packed.size(1);
+  TORCH_CHECK(k == 2 * kp, op, ": x has ", k, " features, the weight ", 2 * kp);
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == m && out.scalar_type() == at::kBFloat16 &&
+                  (n + kCols - 1) / kCols == packed.size(0), op, ": out [M, N] bf16 for this weight");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous()),
+              op, ": bias fp32 [N]");
+}
+
+// gemm_bf16's contract, on AVX2 + FMA.
+void gemm_bf16_fma(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
+#ifdef BATCHGEN_FMA_BF16
+  check_gemm_args("gemm_bf16_fma", out, x, packed, bias);
+  if (x.size(0) == 0 || out.size(1) == 0) return;
+  fma::gemm(reinterpret_cast<uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(x.data_ptr()), x.size(0),
+            x.stride(0), reinterpret_cast<const uint16_t*>(packed.data_ptr()), out.size(1), packed.size(0),
+            packed.size(1), bias.has_value() ? bias->data_ptr<float>() : nullptr);
+#else
+  TORCH_CHECK(false, "gemm_bf16_fma: this build has no AVX2/FMA (check has_fma_bf16_gemm first)");
+#endif
+}
+
 // out [M, N] bf16 (contiguous) = x [M, K] bf16 (unit column stride) @ W.T + bias (fp32 [N] or none),
 // W packed by pack_bf16_weight.
 void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
 #ifdef BATCHGEN_DPBF16
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "gemm_bf16: x [M, K] bf16 rows");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kCols && packed.size(3) == 2 && packed.is_contiguous(),
-              "gemm_bf16: a weight from pack_bf16_weight");
-  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), kp = packed.size(1);
-  TORCH_CHECK(k == 2 * kp, "gemm_bf16: x has ", k, " features, the weight ", 2 * kp);
-  TORCH_CHECK(out.is_contiguous() && out.size(0) == m && out.scalar_type() == at::kBFloat16 &&
-                  (n + kCols - 1) / kCols == packed.size(0), "gemm_bf16: out [M, N] bf16 for this weight");
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous()),
-              "gemm_bf16: bias fp32 [N]");
+  check_gemm_args("gemm_bf16", out, x, packed, bias);
+  const int64_t m = x.size(0), n = out.size(1), kp = packed.size(1);
   if (m == 0 || n == 0) return;
   const uint16_t* a = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
@@ -200,6 +376,8 @@ void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at
 
 TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
   m.def("has_dpbf16_gemm() -> bool", &has_dpbf16_gemm);
+  m.def("has_fma_bf16_gemm() -> bool", &has_fma_bf16_gemm);
   m.def("pack_bf16_weight(Tensor w) -> Tensor", &pack_bf16_weight);
   m.def("gemm_bf16(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()", &gemm_bf16);
+  m.def("gemm_bf16_fma(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()", &gemm_bf16_fma);
 }

@@ -56,25 +56,40 @@ def apply_profile(spec):
 class Backend:
     # torch | cpu (the C++ ops) | triton
     attention: str
-    # plain (F.linear) | onednn (packed weights) | dpbf16 (our AVX512-BF16 GEMM for bf16 weights)
+    # plain (F.linear) | onednn (packed weights) | dpbf16 / fma (our AVX512-BF16 / AVX2 GEMMs for bf16 weights)
     linear_path: str
     # The C++ fused layer ops (add+RMSNorm, RoPE, SiLU-mul, greedy argmax) on the CPU fast path.
     fused_ops: bool
 
 
-def choose_backend(spec, device: torch.device, kv_dtype: torch.dtype) -> Backend:
-    """Attention and GEMM paths for the device and KV storage, refusing impossible asks."""
+def choose_backend(spec, device: torch.device, kv_dtype: torch.dtype, dtype: torch.dtype | None = None) -> Backend:
+    """Attention and GEMM paths for the device, model dtype and KV storage, refusing impossible asks."""
     from batchgen.kernels import cpu_attention
 
-    from .linear import dpbf16_available, dpbf16_preferred, onednn_available
+    from .linear import (
+        dpbf16_available,
+        dpbf16_preferred,
+        fma_available,
+        onednn_available,
+        onednn_bf16_available,
+    )
 
     linear_path = spec.linear_path
+    cpu = device.type == "cpu"
     if linear_path == "auto":
-        linear_path = "plain" if device.type != "cpu" else "dpbf16" if dpbf16_preferred() else (
-            "onednn" if onednn_available() else "plain")
-    elif linear_path == "dpbf16" and device.type == "cpu" and not dpbf16_available():
+        # oneDNN where it has bf16 kernels (or where ours are not built); on AVX2-only CPUs our fma GEMM
+        # takes the bf16 weights and oneDNN keeps the fp32 ones.
+        linear_path = "plain" if not cpu else "dpbf16" if dpbf16_preferred() else (
+            "onednn" if onednn_available() and (onednn_bf16_available() or not fma_available()) else
+            "fma" if fma_available() else "onednn" if onednn_available() else "plain")
+    elif linear_path == "dpbf16" and cpu and not dpbf16_available():
         raise ConfigError("engine.linear_path: dpbf16 needs a CPU with AVX512-BF16 and the C++ ops "
-                          "(use auto or onednn)")
+                          "(use auto, fma or onednn)")
+    elif linear_path == "fma" and cpu and not fma_available():
+        raise ConfigError("engine.linear_path: fma needs a CPU with AVX2 and FMA and the C++ ops (use auto or onednn)")
+    elif linear_path == "onednn" and cpu and dtype == torch.bfloat16 and not onednn_bf16_available():
+        raise ConfigError("engine.linear_path: onednn has no bf16 kernels on this CPU (it needs AVX512-BW/VL/DQ, "
+                          "AVX-NE-CONVERT or AMX); use auto or fma, or model.dtype: float32")
     fp8 = kv_dtype == torch.float8_e4m3fn
     attention = spec.attention_backend
     if attention == "auto":

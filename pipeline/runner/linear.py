@@ -9,6 +9,11 @@ products. `plain` keeps F.linear: it is the exact reference path.
 stream, and this kernel prefetches the next weight panel while it computes the current one.
 Weights that are not bf16 (an fp32 model) stay on oneDNN under it. On AMX CPUs oneDNN's AMX
 tiles are several times faster, so `auto` never picks it there.
+
+`fma` is the same GEMM for AVX2 CPUs without AVX-512 (AMD Zen 2/3, Intel client parts), where
+oneDNN has no bf16 kernels (its weight reorder refuses bf16) and F.linear's bf16 fallback runs at
+a fraction of the fp32 rate: the bf16 weight is widened to fp32 in registers and multiplied with
+FMA. `auto` picks it for bf16 weights wherever oneDNN cannot take them; fp32 weights stay on oneDNN.
 """
 from __future__ import annotations
 
@@ -32,6 +37,20 @@ def dpbf16_available() -> bool:
     return cpu_attention.available() and bool(torch.ops.batchgen_cpu.has_dpbf16_gemm())
 
 
+@functools.lru_cache(maxsize=None)
+def fma_available() -> bool:
+    """Whether the fma GEMM runs here: the C++ ops built with AVX2 and FMA (-march=native)."""
+    from batchgen.kernels import cpu_attention
+
+    return cpu_attention.available() and bool(torch.ops.batchgen_cpu.has_fma_bf16_gemm())
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN has bf16 kernels on this CPU (AVX512-BW/VL/DQ, AVX-NE-CONVERT or AMX)."""
+    return onednn_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def dpbf16_preferred() -> bool:
     """Whether `auto` takes dpbf16: it runs here and the CPU has no AMX (where oneDNN uses AMX tiles)."""
     return "amx_bf16" not in cpu_flags() and dpbf16_available()
@@ -45,10 +64,16 @@ class Linear:
         self.bias = bias
         self.path = path
         cpu = weight.device.type == "cpu"
-        if path == "dpbf16" and not (cpu and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0
-                                     and dpbf16_available()):
-            self.path = path = "onednn"
-        if path == "dpbf16":
+        packable = cpu and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0
+        if path == "dpbf16" and not (packable and dpbf16_available()):
+            path = "onednn"
+        if path == "fma" and not (packable and fma_available()):
+            path = "onednn"
+        if path == "onednn" and cpu and weight.dtype == torch.bfloat16 and not onednn_bf16_available():
+            path = "fma" if packable and fma_available() else "plain"  # oneDNN refuses bf16 here
+        self.path = path
+        if path in ("dpbf16", "fma"):
+            self._op = torch.ops.batchgen_cpu.gemm_bf16 if path == "dpbf16" else torch.ops.batchgen_cpu.gemm_bf16_fma
             self.weight = torch.ops.batchgen_cpu.pack_bf16_weight(weight.contiguous())
             self._bias32 = bias.float().contiguous() if bias is not None else None
         elif path == "onednn" and cpu:
@@ -58,12 +83,12 @@ class Linear:
             self.weight = weight.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.path == "dpbf16":
+        if self.path in ("dpbf16", "fma"):
             x2 = x.reshape(-1, x.shape[-1])
             if x2.stride(-1) != 1 or x2.dtype != torch.bfloat16:
                 x2 = x2.to(torch.bfloat16).contiguous()
             out = x2.new_empty(x2.shape[0], self.out_features)
-            torch.ops.batchgen_cpu.gemm_bf16(out, x2, self.weight, self._bias32)
+            self._op(out, x2, self.weight, self._bias32)
             return out.view(*x.shape[:-1], self.out_features)
         if self.path == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
