@@ -18,6 +18,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_common.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define BATCHGEN_DPBF16 1
 #endif
@@ -180,22 +182,6 @@ struct Out {
   bool first, last;
 };
 
-inline void store_bf16(uint16_t* dst, __m256 lo, __m256 hi, int cols) {
-  const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
-  auto round = [&](__m256 v) {  // to nearest even, as c10::BFloat16 does
-    const __m256i b = _mm256_castps_si256(v);
-    return _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(b, 16), one))), 16);
-  };
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round(lo), round(hi)), 0xD8);
-  if (cols == 16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
-  } else {
-    alignas(32) uint16_t tmp[16];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), packed);
-    std::memcpy(dst, tmp, cols * sizeof(uint16_t));
-  }
-}
-
 // MR rows of fp32 x (lda apart) times one 16-column block of packed weights, kp_n k pairs.
 template <int MR>
 __attribute__((noinline)) void tile(const float* a, int64_t lda, const uint16_t* b, int64_t kp_n, const Out& o) {
@@ -232,31 +218,12 @@ __attribute__((noinline)) void tile(const float* a, int64_t lda, const uint16_t*
       _mm256_storeu_ps(o.part + i * 64 + 8, acc[i][1]);
       continue;
     }
-    __m256 lo = acc[i][0], hi = acc[i][1];
-    if (o.bias) {
-      alignas(32) float bb[16] = {};
-      std::memcpy(bb, o.bias, o.cols * sizeof(float));
-      lo = _mm256_add_ps(lo, _mm256_load_ps(bb));
-      hi = _mm256_add_ps(hi, _mm256_load_ps(bb + 8));
-    }
-    store_bf16(o.c + i * o.ldc, lo, hi, o.cols);
-  }
-}
-
-// rows bf16 [mr, 2 * kn] (lda apart) -> fp32 [mr, 2 * kn] (ldf apart)
-inline void widen(const uint16_t* a, int64_t lda, int64_t mr, int64_t kn, float* f, int64_t ldf) {
-  for (int64_t i = 0; i < mr; ++i) {
-    const uint16_t* s = a + i * lda;
-    float* d = f + i * ldf;
-    int64_t j = 0;
-    for (; j + 8 <= 2 * kn; j += 8) {
-      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + j)));
-      _mm256_storeu_ps(d + j, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-    }
-    for (; j < 2 * kn; ++j) {
-      const uint32_t bits = static_cast<uint32_t>(s[j]) << 16;
-      std::memcpy(d + j, &bits, 4);
-    }
+    alignas(32) float v[16];
+    _mm256_store_ps(v, acc[i][0]);
+    _mm256_store_ps(v + 8, acc[i][1]);
+    if (o.bias)
+      for (int j = 0; j < o.cols; ++j) v[j] += o.bias[j];
+    batchgen_cpu::row_from_f32(v, reinterpret_cast<c10::BFloat16*>(o.c + i * o.ldc), o.cols);
   }
 }
 
@@ -275,7 +242,9 @@ void gemm(uint16_t* c, const uint16_t* a, int64_t m, int64_t lda, const uint16_t
         const int64_t k0 = ch * chunk, kn = std::min(chunk, kp - k0);
         for (int64_t r = 0; r < m; r += kRows) {
           const int64_t mr = std::min<int64_t>(kRows, m - r);
-          widen(a + r * lda + 2 * k0, lda, mr, kn, af.data(), ldf);
+          for (int64_t i = 0; i < mr; ++i)
+            batchgen_cpu::row_to_f32(reinterpret_cast<const c10::BFloat16*>(a + (r + i) * lda + 2 * k0),
+                                     af.data() + i * ldf, 2 * kn);
           for (int64_t j = 0; j < nb; ++j) {
             const int64_t blk = blk0 + j;
             Out o{c + r * n + blk * 16, n, part.data() + r * 64 + j * 16, bias ? bias + blk * 16 : nullptr,
