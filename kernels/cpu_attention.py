@@ -135,7 +135,7 @@ def _fast(heads: int, kv_heads: int, head_dim: int) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def has_prefill_path(heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether paged_prefill runs here for this shape (it needs AVX-512 and head_dim % 16 == 0)."""
+    """Whether paged_prefill runs here for this shape (it needs AVX-512 or AVX2 and head_dim % 16 == 0)."""
     return bool(torch.ops.batchgen_cpu.has_prefill_path(heads, kv_heads, head_dim))
 
 

@@ -364,23 +364,32 @@ def format_sweep(report: dict) -> str:
     return "\n".join(lines)
 
 
-def kv_quality(hf, tok, prompts, tokens: int, dtype: str = "float32", kv_dtype: str = "int8") -> dict:
-    """Quantised (int8 or fp8) KV against the unquantised cache: exact-match rate of the first
-    `tokens` greedy tokens, and mean |logprob difference| of the chosen tokens while both runs
-    agree. fp8 runs on the torch path here (the same quantiser as the Triton kernels)."""
+def greedy_with_logprobs(hf, tok, prompts, tokens: int, dtype: str = "float32", kv_dtype: str = "auto") -> dict:
+    """Greedy runs of `prompts` with the chosen tokens' logprobs: {"results": {id: result},
+    "bytes_per_token": KV bytes a token takes}. kv_quality's runs; its baseline is kv_dtype "auto"."""
     from .config import EngineSpec, ModelSpec
     from .engine.request import SamplingParams
     from .llm import Engine, GenerationRequest
 
     sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=1)
-    out = {}
-    for kv in ("auto", kv_dtype):
-        e = Engine(hf, tok, EngineSpec(kv_cache_dtype=kv, kv_cache_gib=1.0), ModelSpec(dtype=dtype))
-        out[kv] = {r.request_id: r for r in e.generate(GenerationRequest(str(i), p, sp) for i, p in enumerate(prompts))}
-        out[kv + "_bytes_per_token"] = e.kv_bytes_per_token
+    e = Engine(hf, tok, EngineSpec(kv_cache_dtype=kv_dtype, kv_cache_gib=1.0), ModelSpec(dtype=dtype))
+    results = {r.request_id: r for r in e.generate(GenerationRequest(str(i), p, sp) for i, p in enumerate(prompts))}
+    return {"results": results, "bytes_per_token": e.kv_bytes_per_token}
+
+
+def kv_quality(hf, tok, prompts, tokens: int, dtype: str = "float32", kv_dtype: str = "int8",
+               baseline: dict | None = None) -> dict:
+    """Quantised (int8 or fp8) KV against the unquantised cache: exact-match rate of the first
+    `tokens` greedy tokens, and mean |logprob difference| of the chosen tokens while both runs
+    agree. fp8 runs on the torch path here (the same quantiser as the Triton kernels). `baseline`:
+    greedy_with_logprobs' unquantised run of the same prompts, when the caller already has it."""
+    base = baseline or greedy_with_logprobs(hf, tok, prompts, tokens, dtype)
+    if len(base["results"]) != len(prompts):
+        raise ValueError(f"the baseline has {len(base['results'])} prompts, not {len(prompts)}")
+    quant = greedy_with_logprobs(hf, tok, prompts, tokens, dtype, kv_dtype)
     diffs, exact = [], 0
     for i in range(len(prompts)):
-        a, b = out[kv_dtype][str(i)], out["auto"][str(i)]
+        a, b = quant["results"][str(i)], base["results"][str(i)]
         same = True
         for (ta, (la, _)), (tb, (lb, _)) in zip(zip(a.token_ids, a.logprobs), zip(b.token_ids, b.logprobs)):
             if ta != tb:
@@ -390,5 +399,5 @@ def kv_quality(hf, tok, prompts, tokens: int, dtype: str = "float32", kv_dtype: 
         exact += same
     return {"prompts": len(prompts), "tokens": tokens, "exact_match_rate": round(exact / len(prompts), 3),
             "mean_abs_logprob_diff": round(sum(diffs) / len(diffs), 5), "max_abs_logprob_diff": round(max(diffs), 5),
-            "kv_dtype": kv_dtype, "kv_bytes_per_token_fp": out["auto_bytes_per_token"],
-            f"kv_bytes_per_token_{kv_dtype}": out[kv_dtype + "_bytes_per_token"]}
+            "kv_dtype": kv_dtype, "kv_bytes_per_token_fp": base["bytes_per_token"],
+            f"kv_bytes_per_token_{kv_dtype}": quant["bytes_per_token"]}

@@ -135,4 +135,6 @@ def cpu_info() -> dict:
             "oneDNN (AVX-512)" if "avx512f" in flags else
             "bf16: batchgen fma (AVX2), fp32: oneDNN (AVX2)" if "avx2" in flags and "fma" in flags else "oneDNN",
             "attention_ops": ("AVX-512 with bf16 dot products" if "avx512_bf16" in flags else
-                              "AVX-512" if "avx512f" in flags else "generic C++")}
+                              "AVX-512" if "avx512f" in flags else
+                              "AVX2" if "avx2" in flags and "fma" in flags else
+                              "generic C++")}

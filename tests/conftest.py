@@ -11,6 +11,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Triton kernels run on this CPU through the interpreter; examples/gpu_check.py sets 0 on CUDA.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`make test` runs 2 workers) each worker takes its share of the cores, so
+# the workers' torch threads do not contend; most tests are single-threaded Python anyway.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 from helpers import tiny_hf_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,3 +48,11 @@ def tiny_model_dir(tmp_path_factory, smol_tokenizer):
     model.save_pretrained(d)
     smol_tokenizer.save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="module")
+def hf_model(smol_source):
+    """The real SmolLM2 as a transformers model (fp32), once per test module."""
+    from batchgen.models.loader import load_hf_model
+
+    return load_hf_model(smol_source)

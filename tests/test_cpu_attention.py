@@ -32,10 +32,10 @@ LENS = [1, 15, 16, 17, 33, 200, 64]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# GQA 1, 3 (registers kernel), 6, 7 and 8 (tiled kernel: 3-head score tiles and a 1-head tail),
-# 12 (generic)
+# GQA 1, 3 (AVX-512: registers kernel), 6, 7 and 8 (tiled kernel: 3-head score tiles and a 1-head
+# tail on AVX-512, 2-head tiles and a 1-head tail on AVX2), 12 (generic)
 @pytest.mark.parametrize("heads,kvh", [(4, 4), (9, 3), (12, 2), (14, 2), (16, 2), (12, 1)])
-@pytest.mark.parametrize("d", [64, 128, 256, 32])  # 32: the generic (non-AVX-512-specialised) kernel
+@pytest.mark.parametrize("d", [64, 128, 256, 32])  # 32: the generic (non-specialised) kernel
 @pytest.mark.parametrize("bs", [16, 32])
 def test_op_matches_reference(dtype, heads, kvh, d, bs):
     q, kc, vc, tables, lo, hi = _case(heads, kvh, d, bs, LENS, dtype)
@@ -58,7 +58,7 @@ def test_lo_hi_select_a_window_and_an_empty_range_gives_zeros():
     torch.testing.assert_close(out[3:], ref1)  # one key: softmax is exactly 1, out is that V row
 
 
-@pytest.mark.parametrize("heads,kvh", [(9, 3), (15, 3)])  # both AVX-512 kernels (3 and 5 heads a group)
+@pytest.mark.parametrize("heads,kvh", [(9, 3), (15, 3)])  # the AVX-512 registers and tiled kernels (3 and 5 heads a group)
 def test_int8_cache_with_scales(heads, kvh):
     from batchgen.runner.attention import QuantCache
 
@@ -102,7 +102,7 @@ CHUNKS = [(1, 0), (17, 0), (5, 20), (130, 0), (40, 260), (1, 7), (16, 16)]
 @pytest.mark.parametrize("bs", [16, 32])
 def test_prefill_op_matches_reference(dtype, heads, kvh, d, bs):
     if not ca.has_prefill_path(heads, kvh, d):
-        pytest.skip("no AVX-512 here: prefill stays on SDPA")
+        pytest.skip("no AVX-512 or AVX2 here: prefill stays on SDPA")
     q, kc, vc, tables, cu, start = _prefill_case(heads, kvh, d, bs, CHUNKS, dtype)
     out = ca.paged_prefill(q, kc, vc, tables, cu, start, d ** -0.5)
     ref = ca.paged_prefill_reference(q.float(), kc, vc, tables, cu, start, d ** -0.5)
@@ -114,7 +114,7 @@ def test_prefill_op_matches_reference(dtype, heads, kvh, d, bs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kvh,d", [(8, 4, 64), (4, 1, 256), (8, 2, 32), (12, 1, 64)])
 def test_decode_and_prefill_ops_soft_cap_their_scores(dtype, heads, kvh, d):
-    """Gemma 2's softcap * tanh(score / softcap) in both ops (the AVX-512 kernels at head_dim 64
+    """Gemma 2's softcap * tanh(score / softcap) in both ops (the AVX-512 or AVX2 kernels at head_dim 64
     and 256, the generic one at 32 and GQA 12), its log-sum-exp included; a cap inside the
     scores' range, so skipping it fails."""
     cap = 1.5
@@ -139,7 +139,7 @@ def test_decode_and_prefill_ops_soft_cap_their_scores(dtype, heads, kvh, d):
 @pytest.mark.parametrize("window", [1, 3, 50, 200])
 def test_prefill_op_sliding_window(window):
     if not ca.has_prefill_path(9, 3, 64):
-        pytest.skip("no AVX-512 here")
+        pytest.skip("no AVX-512 or AVX2 here")
     q, kc, vc, tables, cu, start = _prefill_case(9, 3, 64, 16, CHUNKS, torch.float32, seed=1)
     out = ca.paged_prefill(q, kc, vc, tables, cu, start, 0.125, window=window)
     ref = ca.paged_prefill_reference(q, kc, vc, tables, cu, start, 0.125, window=window)
@@ -157,7 +157,7 @@ def test_prefill_op_int8_cache_and_strided_q_rows():
     from batchgen.runner.attention import QuantCache
 
     if not ca.has_prefill_path(9, 3, 64):
-        pytest.skip("no AVX-512 here")
+        pytest.skip("no AVX-512 or AVX2 here")
     q, kc, vc, tables, cu, start = _prefill_case(9, 3, 64, 16, CHUNKS, torch.float32, seed=2)
     kq = QuantCache(kc.shape[0], 16, 3, 64, "cpu")
     vq = QuantCache(kc.shape[0], 16, 3, 64, "cpu")
@@ -176,7 +176,7 @@ def test_prefill_op_int8_cache_and_strided_q_rows():
 
 def test_prefill_op_refuses_a_chunk_beyond_its_table():
     if not ca.has_prefill_path(9, 3, 64):
-        pytest.skip("no AVX-512 here")
+        pytest.skip("no AVX-512 or AVX2 here")
     q, kc, vc, tables, cu, start = _prefill_case(9, 3, 64, 16, [(5, 0), (20, 10)], torch.float32)
     start[1] = 20  # 20 + 20 tokens > 2 blocks of 16
     with pytest.raises(RuntimeError, match="sequence 1 .* does not fit its block table"):

@@ -114,6 +114,7 @@ def test_auto_backend_on_cpu_is_the_cpp_op_and_falls_back_to_torch_without_it(fa
     assert engine(model).backend.attention == "torch"
 
 
+@pytest.mark.parametrize("family_model", ["llama"], indirect=True)  # Triton's interpreter is slow: one family
 def test_cuda_graph_decode_path_matches_transformers(family_model, reference, monkeypatch):
     """The CUDA-graph decode path short of the capture itself (Triton's interpreter cannot be
     captured): static buffers padded to bucket sizes, padding rows writing no KV, logits sliced
@@ -133,7 +134,7 @@ def test_cuda_graph_decode_path_matches_transformers(family_model, reference, mo
 
     monkeypatch.setattr(build, "decode_graphs", emulated)
     e = engine(model, attention_backend="triton", max_num_seqs=6)
-    _assert_match(run(e, ps[:5]), ref[:5])
+    _assert_match(run(e, ps[:3]), ref[:3])  # 3 rows run in the 4-row bucket: one padding row a step
     g = e.runner.graphs
     assert g.replays >= 14 and g.padded_rows > 0 and e.counters()["cuda_graph_replays"] == g.replays
 
@@ -495,7 +496,7 @@ def test_bf16_whole_prompts_through_sdpa_and_later_chunks_through_the_op(family_
     cpu_attention.load()
     if not cpu_attention.has_prefill_path(c.num_attention_heads, c.num_key_value_heads,
                             getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads):
-        pytest.skip("no AVX-512 here: every prefill stays on SDPA")
+        pytest.skip("no AVX-512 or AVX2 here: every prefill stays on SDPA")
     ps = prompts(seed=2, lengths=(40, 9, 70, 12, 33))
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
     res = {}

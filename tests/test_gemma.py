@@ -110,8 +110,8 @@ def test_hybrid_swap_preemption_keeps_transformers_tokens(gemma):
 def test_gemma_on_the_triton_kernels(gemma):
     """The CUDA path's kernels (the interpreter here), soft cap and per-group windows included."""
     _, model, ps, want = gemma
-    _, res = generate(model, ps[1:4], 12, attention_backend="triton", max_num_batched_tokens=40)
-    assert [r.token_ids for r in res] == [w[:12] for w in want[1:4]]
+    _, res = generate(model, ps[1:3], 12, attention_backend="triton", max_num_batched_tokens=40)
+    assert [r.token_ids for r in res] == [w[:12] for w in want[1:3]]
 
 
 def test_hybrid_sizing_gives_the_full_layers_what_the_window_cannot_use():

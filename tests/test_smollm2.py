@@ -11,7 +11,8 @@ from batchgen.workload import sample_sharegpt
 from conftest import REPO
 from helpers import engine_specs, read_output
 
-N_PROMPTS, N_NEW, TOP = 20, 32, 5
+N_PROMPTS, N_NEW, TOP = 12, 32, 5
+ONE_AT_A_TIME = 4  # max_num_seqs=1 runs every prompt alone: a few show it
 
 pytestmark = pytest.mark.slow  # the real SmolLM2: `pytest -m 'not slow'` skips these
 
@@ -25,13 +26,6 @@ def test_example_job_answers_paris(tmp_path, monkeypatch):
     assert len(df) == 16
     answer = df.filter(df["id"] == "q000")["text"].item()
     assert "Paris" in answer, answer
-
-
-@pytest.fixture(scope="module")
-def hf_model(smol_source):
-    from batchgen.models.loader import load_hf_model
-
-    return load_hf_model(smol_source)
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +60,10 @@ def generate(hf_model, tokenizer, workload, **cfg):
 @pytest.mark.parametrize("case", ["one_at_a_time", "batched", "small_chunks"])
 def test_plain_fp32_path_matches_transformers_exactly(hf_model, smol_tokenizer, workload, reference, case):
     cfg = {"one_at_a_time": dict(max_num_seqs=1), "batched": dict(), "small_chunks": dict(max_num_batched_tokens=24)}
-    ours = generate(hf_model, smol_tokenizer, workload, linear_path="plain", decode_attention="exact", **cfg[case])
-    mismatched = [i for i, ((a, _), (b, _)) in enumerate(zip(ours, reference)) if a != b]
+    n = ONE_AT_A_TIME if case == "one_at_a_time" else len(workload)
+    ours = generate(hf_model, smol_tokenizer, workload[:n], linear_path="plain", decode_attention="exact", **cfg[case])
+    assert len(ours) == n
+    mismatched = [i for i, ((a, _), (b, _)) in enumerate(zip(ours, reference[:n])) if a != b]
     assert not mismatched, f"prompts {mismatched} diverged from transformers"
 
 
@@ -105,23 +101,6 @@ def test_fast_paths_are_close_to_transformers(hf_model, smol_tokenizer, workload
     print(f"\n{path}: {exact}/{len(workload)} prompts matched transformers exactly")
     if path["dtype"] == "float32":
         assert exact == len(workload)
-
-
-# Measured here (64 ShareGPT prompts, first 32 greedy tokens, against the fp32 cache):
-#   int8: exact match 71.9%, mean |delta logprob| 0.019 nats (max 0.29), prompt attention reading
-#   the int8 cache too (64-66% and 0.017-0.018 when prompts attended their own unquantised K/V);
-#   fp8 (e4m3, torch path, the Triton kernels' quantiser): exact 32.8%, mean 0.037 nats (max 0.68).
-# Each bound is ~3x the measured mean: noise passes, a broken scale (whole nats) fails.
-@pytest.mark.parametrize("kv_dtype,max_mean,min_exact", [("int8", 0.05, 0.4), ("fp8", 0.11, 0.2)])
-def test_quantised_kv_quality_on_64_sharegpt_prompts(hf_model, smol_tokenizer, kv_dtype, max_mean, min_exact):
-    from batchgen.bench import kv_quality
-
-    prompts = [w.prompt_token_ids for w in sample_sharegpt(smol_tokenizer, 64, 32)]
-    q = kv_quality(hf_model, smol_tokenizer, prompts, 32, kv_dtype=kv_dtype)
-    print(f"\n{kv_dtype} KV: {q}")
-    assert q["mean_abs_logprob_diff"] <= max_mean
-    assert q["exact_match_rate"] >= min_exact
-    assert q[f"kv_bytes_per_token_{kv_dtype}"] * 3.5 < q["kv_bytes_per_token_fp"]
 
 
 def test_json_extraction_and_choice_jobs_on_the_real_model(tmp_path):

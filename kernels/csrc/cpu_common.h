@@ -1,5 +1,5 @@
 // Helpers shared by the CPU ops: element conversions (float, bfloat16, int8), whole rows between
-// bfloat16 and fp32, AVX-512 loads of 16 values as fp32, and the walk over a block table.
+// bfloat16 and fp32, AVX-512 loads of 16 values and AVX2 loads of 8 as fp32, and the walk over a block table.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -104,6 +104,17 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+#ifdef __AVX2__
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 #endif
 

@@ -2,8 +2,8 @@
 //
 // The torch path gathers each sequence's blocks into a padded copy and then runs SDPA over it,
 // three passes over the KV; this reads each K and V row once, for all query heads of its group.
-// The AVX-512 kernels take one sequence (every KV head) per work item, the generic one a
-// (sequence, KV head); torch's own thread pool runs them (at::parallel_for).
+// The AVX-512 and AVX2 kernels take one sequence (every KV head) per work item, the generic one
+// a (sequence, KV head); torch's own thread pool runs them (at::parallel_for).
 //
 // Caches: float32 or bfloat16 [num_blocks, block_size, kv_heads, dim], or int8 with one float
 // scale per (slot, head) in a [num_blocks, block_size, kv_heads] tensor.
@@ -54,7 +54,7 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* lse, f
   }
 }
 
-// Any head_dim, any group size, no AVX-512: one (sequence, KV head) per work item.
+// Any head_dim, any group size, any ISA: one (sequence, KV head) per work item.
 template <typename KT>
 void decode_impl(float* out, float* lse, const float* q, int64_t q_stride, const KT* kc, const KT* vc, const float* ks, const float* vs,
                  const int64_t* tables, const int64_t* lo_p, const int64_t* hi_p, int64_t n, int64_t heads,
@@ -375,6 +375,151 @@ void decode_seq_tiled(float* o, float* lse, const float* q, const KT* kc, const 
   weighted_v_sum<G, ND, DC>(o, scores, vc, vs, table, lo, hi, kvh, bs, acc_mem, next_k);
 }
 
+#elif defined(__AVX2__)
+// The tiled kernel for CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2/3, Intel client parts):
+// 8-lane vectors and 16 registers, so smaller register tiles than above: scores for 2 query heads
+// x 4 K rows at a time (8 partial sums, 2 query slices and one K slice: 11 registers), the
+// weighted sum of V for all G heads over DC slices of 8 dims (G x DC + DC <= 15). One sequence,
+// every KV head per work item, walking each block as one contiguous span, as the AVX-512 kernels do.
+template <int D, typename KT>
+inline void prefetch_row(const KT* p) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int off = 0; off < static_cast<int>(sizeof(KT)) * D; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
+}
+
+// Element i (< 4) of the result = the sum of the 8 lanes of a[i].
+inline __m128 transpose_sum4(const __m256* a) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// sc[g * len + i] = q[g] . k[slot0 + i] (times the int8 scale) for GT (<= 2) query heads of one KV
+// head, over the rows of one block read in place, 4 rows at a time; a tail tile repeats its last
+// row (only the valid sums are stored). `next` prefetches the next block's rows.
+template <int GT, int ND, typename KT>
+inline void scores_tile(float* sc, int64_t len, const float* q, const KT* kbase, int64_t slot0, int64_t cnt,
+                        int64_t row, const float* ks, int64_t kvh, int64_t h, const KT* next) {
+  constexpr int D = ND * 16, N8 = D / 8;
+  for (int64_t i0 = 0; i0 < cnt; i0 += 4) {
+    const int64_t n4 = std::min<int64_t>(4, cnt - i0);
+    int64_t sl[4];
+    const KT* kr[4];
+    for (int i = 0; i < 4; ++i) {
+      sl[i] = slot0 + i0 + std::min<int64_t>(i, n4 - 1);
+      kr[i] = kbase + sl[i] * row;
+    }
+    if (next)
+      for (int64_t i = 0; i < n4; ++i) prefetch_row<D>(next + (i0 + i) * row);
+    __m256 acc[GT][4];
+#pragma GCC unroll 8
+    for (int g = 0; g < GT; ++g)
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
+    for (int j = 0; j < N8; ++j) {
+      __m256 qj[GT];
+#pragma GCC unroll 2
+      for (int g = 0; g < GT; ++g) qj[g] = _mm256_loadu_ps(q + g * D + j * 8);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const __m256 kv = load8(kr[i] + j * 8);
+#pragma GCC unroll 2
+        for (int g = 0; g < GT; ++g) acc[g][i] = _mm256_fmadd_ps(qj[g], kv, acc[g][i]);
+      }
+    }
+    const __m128 ksc = ks ? _mm_setr_ps(ks[sl[0] * kvh + h], ks[sl[1] * kvh + h], ks[sl[2] * kvh + h], ks[sl[3] * kvh + h])
+                          : _mm_set1_ps(1.f);
+    for (int g = 0; g < GT; ++g) {
+      alignas(16) float r[4];
+      _mm_store_ps(r, _mm_mul_ps(transpose_sum4(acc[g]), ksc));
+      for (int64_t i = 0; i < n4; ++i) sc[g * len + i0 + i] = r[i];
+    }
+  }
+}
+
+// o [kvh * G, D] = the probabilities in `scores` times V, one pass over V: per block and head, the
+// G heads' accumulators of DC x 8 dims stay in registers while the block's rows stream through.
+// The next block's rows (or, at the last block, the next sequence's first K block) are prefetched
+// during the first slice. acc_mem: [kvh * G, D].
+template <int G, int ND, int DC, typename KT>
+void weighted_v_sum(float* o, const float* scores, const KT* vc, const float* vs, const int64_t* table, int64_t lo,
+                    int64_t hi, int64_t kvh, int64_t bs, float* acc_mem, const KT* next_k) {
+  constexpr int D = ND * 16, N8 = D / 8;
+  static_assert(N8 % DC == 0, "head_dim slices must divide the head");
+  const int64_t len = hi - lo;
+  const int64_t row = kvh * D;
+  std::fill(acc_mem, acc_mem + kvh * G * D, 0.f);
+  walk_blocks(table, lo, hi, bs, [&](int64_t slot0, int64_t cnt, int64_t at, int64_t nxt) {
+    for (int64_t h = 0; h < kvh; ++h) {
+      const KT* next = nxt >= 0 ? vc + nxt * bs * row + h * D : (next_k ? next_k + h * D : nullptr);
+      float* am = acc_mem + h * G * D;
+      const float* pr = scores + h * G * len + at;
+      for (int c = 0; c < N8; c += DC) {
+        __m256 acc[G][DC];
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+          for (int j = 0; j < DC; ++j) acc[g][j] = _mm256_loadu_ps(am + g * D + (c + j) * 8);
+        for (int64_t i = 0; i < cnt; ++i) {
+          const int64_t slot = slot0 + i;
+          const KT* vp = vc + slot * row + h * D + c * 8;
+          if (c == 0 && next) prefetch_row<D>(next + i * row);
+          __m256 vv[DC];
+#pragma GCC unroll 4
+          for (int j = 0; j < DC; ++j) vv[j] = load8(vp + j * 8);
+          const float vsc = vs ? vs[slot * kvh + h] : 1.f;
+#pragma GCC unroll 8
+          for (int g = 0; g < G; ++g) {
+            const __m256 p = _mm256_set1_ps(pr[g * len + i] * vsc);
+#pragma GCC unroll 4
+            for (int j = 0; j < DC; ++j) acc[g][j] = _mm256_fmadd_ps(p, vv[j], acc[g][j]);
+          }
+        }
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+          for (int j = 0; j < DC; ++j) _mm256_storeu_ps(am + g * D + (c + j) * 8, acc[g][j]);
+      }
+    }
+  });
+  std::memcpy(o, acc_mem, sizeof(float) * kvh * G * D);
+}
+
+// One sequence, every KV head, G query heads per KV head: scores in tiles of 2 query heads (each
+// tile reads the block's K rows again, from L1), softmax, then the weighted sum of V. Queries come
+// as fp32 (a bf16 q is widened by decode_fast); the last K block prefetches V's first block.
+template <int G, int ND, typename KT>
+void decode_seq_tiled(float* o, float* lse, const float* q, const KT* kc, const KT* vc, const float* ks,
+                      const float* vs, const int64_t* table, int64_t lo, int64_t hi, int64_t kvh, int64_t bs,
+                      float scale, float softcap, float* scores, float* acc_mem, const KT* next_k,
+                      const c10::BFloat16*) {
+  constexpr int D = ND * 16, N8 = D / 8;
+  constexpr int DC_MAX = 15 / (G + 1);
+  constexpr int DC = DC_MAX >= 4 && N8 % 4 == 0 ? 4 : DC_MAX >= 2 ? 2 : 1;
+  const int64_t len = hi - lo;
+  const int64_t row = kvh * D;
+  float* qs = acc_mem + kvh * G * D;  // [kvh * G, D], the scaled queries
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t i = 0; i < kvh * G * N8; ++i)
+    _mm256_storeu_ps(qs + i * 8, _mm256_mul_ps(_mm256_loadu_ps(q + i * 8), vscale));
+  walk_blocks(table, lo, hi, bs, [&](int64_t slot0, int64_t cnt, int64_t at, int64_t nxt) {
+    for (int64_t h = 0; h < kvh; ++h) {
+      const KT* pf = nxt >= 0 ? kc + nxt * bs * row + h * D : vc + table[lo / bs] * bs * row + h * D;
+      float* sc = scores + h * G * len + at;
+      const float* qh = qs + h * G * D;
+      const KT* kb = kc + h * D;
+      int g0 = 0;
+      for (; g0 + 2 <= G; g0 += 2, pf = nullptr)
+        scores_tile<2, ND>(sc + g0 * len, len, qh + g0 * D, kb, slot0, cnt, row, ks, kvh, h, pf);
+      if (G - g0 == 1) scores_tile<1, ND>(sc + g0 * len, len, qh + g0 * D, kb, slot0, cnt, row, ks, kvh, h, pf);
+    }
+  });
+  softmax_rows(scores, kvh * G, len, lse, softcap);
+  weighted_v_sum<G, ND, DC>(o, scores, vc, vs, table, lo, hi, kvh, bs, acc_mem, next_k);
+}
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+
 using SeqFn = void (*)(float*, float*, const float*, const void*, const void*, const float*, const float*,
                        const int64_t*, int64_t, int64_t, int64_t, int64_t, float, float, float*, float*, const void*,
                        const c10::BFloat16*);
@@ -383,12 +528,15 @@ template <int G, int ND, typename KT>
 void seq_thunk(float* o, float* lse, const float* q, const void* kc, const void* vc, const float* ks, const float* vs,
                const int64_t* table, int64_t lo, int64_t hi, int64_t kvh, int64_t bs, float scale, float softcap,
                float* scores, float* acc, const void* next_k, const c10::BFloat16* qb) {
-  if constexpr (G <= 3)
+#ifdef __AVX512F__
+  if constexpr (G <= 3) {
     decode_seq_regs<G, ND, KT>(o, lse, q, static_cast<const KT*>(kc), static_cast<const KT*>(vc), ks, vs, table, lo,
                                hi, kvh, bs, scale, softcap, scores, acc, static_cast<const KT*>(next_k));
-  else
-    decode_seq_tiled<G, ND, KT>(o, lse, q, static_cast<const KT*>(kc), static_cast<const KT*>(vc), ks, vs, table, lo,
-                                hi, kvh, bs, scale, softcap, scores, acc, static_cast<const KT*>(next_k), qb);
+    return;
+  }
+#endif
+  decode_seq_tiled<G, ND, KT>(o, lse, q, static_cast<const KT*>(kc), static_cast<const KT*>(vc), ks, vs, table, lo, hi,
+                              kvh, bs, scale, softcap, scores, acc, static_cast<const KT*>(next_k), qb);
 }
 
 template <int ND, typename KT>
@@ -504,7 +652,7 @@ void paged_decode(at::Tensor out, c10::optional<at::Tensor> lse, at::Tensor q, a
   const int64_t bs = k_cache.size(1), kvh = k_cache.size(2), width = block_tables.size(1);
   float* lse_p = lse.has_value() ? lse->data_ptr<float>() : nullptr;
   TORCH_CHECK(!bf16_io || has_fast_path(heads, kvh, d),
-              "paged_decode: bfloat16 q needs the specialised kernel (AVX-512, head_dim 64 or 128, at most 8 "
+              "paged_decode: bfloat16 q needs the specialised kernel (AVX-512 or AVX2, head_dim 64, 128 or 256, at most 8 "
               "query heads per KV head); pass float32");
   void* o = out.data_ptr();
   const void* qp = q.data_ptr();

@@ -7,7 +7,8 @@
 // a work item is (sequence, tile of TQ query tokens, KV head), its TQ x group query rows meet the
 // keys in chunks of KC, with an online softmax. Each chunk's K is converted to fp32 and
 // transposed once (16 x 16 in registers), so the score micro-kernel is plain broadcast-FMAs over
-// 8 rows x 32 keys, and P.V runs 4 rows x 64 dims at a time.
+// 8 rows x 32 keys, and P.V runs 4 rows x 64 dims at a time (AVX-512; on AVX2 8 x 8 transposes,
+// 4 rows x 16 keys and 4 rows x 16 dims).
 //
 // Sequence p's queries are rows [cu[p], cu[p+1]) of q, at positions start[p], start[p] + 1, ...
 // A query at position t sees keys [t - window + 1, t] (window > 0) or [0, t].
@@ -27,10 +28,13 @@ namespace {
 
 using namespace batchgen_cpu;
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 
 constexpr int64_t TQ = 16;   // query tokens per tile
 constexpr int64_t KC = 128;  // keys per chunk, a multiple of 32
+#endif
+
+#ifdef __AVX512F__
 
 // r[i] = row i of a 16 x 16 tile, in place to column i.
 inline void transpose16(__m512 r[16]) {
@@ -167,6 +171,81 @@ inline void pv_4rows<4>(const float* P, const float* V, float* O, int64_t d, int
   _mm512_storeu_ps(o + 3 * d + 48, a33);
 }
 
+#elif defined(__AVX2__)
+// AVX2 (+FMA) micro-kernels for CPUs without AVX-512 (AMD Zen 2/3, Intel client parts): 8-lane
+// vectors and 16 registers, so 8 x 8 transposes, 4 rows x 16 keys of scores and 4 rows x 16 dims
+// of P.V at a time (8 accumulators each).
+
+// r[i] = row i of an 8 x 8 tile, in place to column i.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {  // t[2i] = [r(2i)_0 r(2i+1)_0 r(2i)_1 r(2i+1)_1 | the same for columns 4, 5]
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // u[4i + c]: column c | column c + 4 of rows 4i .. 4i + 3
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    r[c + 4] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
+}
+
+// S[r][c0 .. c0 + 16) for rows r0 .. r0 + 4: Q [rows][d] (pre-scaled), Kt [d][KC].
+inline void scores_4x16(const float* Q, const float* Kt, float* S, int64_t d, int64_t r0, int64_t c0) {
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+  const float* q = Q + r0 * d;
+  const float* kt = Kt + c0;
+  for (int64_t k = 0; k < d; ++k, kt += KC) {
+    const __m256 k0 = _mm256_loadu_ps(kt), k1 = _mm256_loadu_ps(kt + 8);
+    __m256 qb = _mm256_set1_ps(q[k]);
+    a00 = _mm256_fmadd_ps(qb, k0, a00); a01 = _mm256_fmadd_ps(qb, k1, a01);
+    qb = _mm256_set1_ps(q[d + k]);
+    a10 = _mm256_fmadd_ps(qb, k0, a10); a11 = _mm256_fmadd_ps(qb, k1, a11);
+    qb = _mm256_set1_ps(q[2 * d + k]);
+    a20 = _mm256_fmadd_ps(qb, k0, a20); a21 = _mm256_fmadd_ps(qb, k1, a21);
+    qb = _mm256_set1_ps(q[3 * d + k]);
+    a30 = _mm256_fmadd_ps(qb, k0, a30); a31 = _mm256_fmadd_ps(qb, k1, a31);
+  }
+  float* o = S + r0 * KC + c0;
+  _mm256_storeu_ps(o, a00); _mm256_storeu_ps(o + 8, a01);
+  _mm256_storeu_ps(o + KC, a10); _mm256_storeu_ps(o + KC + 8, a11);
+  _mm256_storeu_ps(o + 2 * KC, a20); _mm256_storeu_ps(o + 2 * KC + 8, a21);
+  _mm256_storeu_ps(o + 3 * KC, a30); _mm256_storeu_ps(o + 3 * KC + 8, a31);
+}
+
+// O[r0 .. r0 + 4][s0 .. s0 + 16) += P[r][0 .. nk) . V[0 .. nk)[same dims]; V [KC][d].
+inline void pv_4x16(const float* P, const float* V, float* O, int64_t d, int64_t nk, int64_t r0, int64_t s0) {
+  float* o = O + r0 * d + s0;
+  __m256 a00 = _mm256_loadu_ps(o), a01 = _mm256_loadu_ps(o + 8), a10 = _mm256_loadu_ps(o + d),
+         a11 = _mm256_loadu_ps(o + d + 8), a20 = _mm256_loadu_ps(o + 2 * d), a21 = _mm256_loadu_ps(o + 2 * d + 8),
+         a30 = _mm256_loadu_ps(o + 3 * d), a31 = _mm256_loadu_ps(o + 3 * d + 8);
+  const float* p0 = P + r0 * KC;
+  const float* vp = V + s0;
+  for (int64_t j = 0; j < nk; ++j, vp += d) {
+    __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8);
+    asm("" : "+x"(v0), "+x"(v1));  // keep V in registers, not a memory operand per FMA
+    __m256 p = _mm256_set1_ps(p0[j]);
+    a00 = _mm256_fmadd_ps(p, v0, a00); a01 = _mm256_fmadd_ps(p, v1, a01);
+    p = _mm256_set1_ps(p0[KC + j]);
+    a10 = _mm256_fmadd_ps(p, v0, a10); a11 = _mm256_fmadd_ps(p, v1, a11);
+    p = _mm256_set1_ps(p0[2 * KC + j]);
+    a20 = _mm256_fmadd_ps(p, v0, a20); a21 = _mm256_fmadd_ps(p, v1, a21);
+    p = _mm256_set1_ps(p0[3 * KC + j]);
+    a30 = _mm256_fmadd_ps(p, v0, a30); a31 = _mm256_fmadd_ps(p, v1, a31);
+  }
+  _mm256_storeu_ps(o, a00); _mm256_storeu_ps(o + 8, a01);
+  _mm256_storeu_ps(o + d, a10); _mm256_storeu_ps(o + d + 8, a11);
+  _mm256_storeu_ps(o + 2 * d, a20); _mm256_storeu_ps(o + 2 * d + 8, a21);
+  _mm256_storeu_ps(o + 3 * d, a30); _mm256_storeu_ps(o + 3 * d + 8, a31);
+}
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
 struct Item {
   int64_t seq, t0, head, cost;
 };
@@ -185,7 +264,7 @@ template <typename QT, typename KT>
 void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT* vc, const float* ks, const float* vs,
                   const int64_t* table, int64_t row0, int64_t pos0, int64_t nq, int64_t h, int64_t heads, int64_t kvh,
                   int64_t d, int64_t bs, int64_t window, float scale, float softcap, Buffers& b) {
-  const int64_t G = heads / kvh, M = nq * G, Mp = (M + 7) / 8 * 8, nd16 = d / 16;
+  const int64_t G = heads / kvh, M = nq * G, Mp = (M + 7) / 8 * 8;
 #ifdef __AVX512BF16__
   // bf16 q and cache: scores from the bf16 values as they are (the FMA path converts them to fp32
   // first, exactly; the products and sums are fp32 either way).
@@ -219,6 +298,7 @@ void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT
     walk_blocks(table, c0, c0 + nk, bs, [&](int64_t slot0, int64_t cnt, int64_t at, int64_t) {
       for (int64_t i = 0; i < cnt; ++i) b.slots[at + i] = slot0 + i;
     });
+#ifdef __AVX512F__
     // K chunk -> Kt [d][KC] (transposed 16 keys x 16 dims at a time), V chunk -> V [KC][d].
     // The bf16 score path: K2 [d / 2][KC], 16 keys x 16 bf16 pairs transposed as 32-bit values.
     for (int64_t g0 = 0; bf16_scores && g0 < nkp; g0 += 16) {
@@ -235,7 +315,7 @@ void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT
       }
     }
     for (int64_t g0 = 0; !bf16_scores && g0 < nkp; g0 += 16) {
-      for (int64_t dv = 0; dv < nd16; ++dv) {
+      for (int64_t dv = 0; dv < d / 16; ++dv) {
         __m512 r[16];
         for (int64_t i = 0; i < 16; ++i) {
           const int64_t j = g0 + i;
@@ -254,7 +334,7 @@ void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT
     for (int64_t j = 0; j < nk; ++j) {
       const int64_t slot = b.slots[j];
       const __m512 sc = _mm512_set1_ps(vs ? vs[slot * kvh + h] : 1.f);
-      for (int64_t dv = 0; dv < nd16; ++dv)
+      for (int64_t dv = 0; dv < d / 16; ++dv)
         _mm512_storeu_ps(b.v.data() + j * d + dv * 16, _mm512_mul_ps(load16(vc + slot * row + h * d + dv * 16), sc));
     }
     for (int64_t r0 = 0; r0 < Mp; r0 += 8)
@@ -267,6 +347,34 @@ void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT
 #endif
         scores_8x32(b.q.data(), b.kt.data(), b.s.data(), d, r0, cc);
       }
+#else
+    // K chunk -> Kt [d][KC] (transposed 8 keys x 8 dims at a time), V chunk -> V [KC][d].
+    for (int64_t g0 = 0; g0 < nkp; g0 += 8) {
+      for (int64_t dv = 0; dv < d / 8; ++dv) {
+        __m256 r[8];
+        for (int64_t i = 0; i < 8; ++i) {
+          const int64_t j = g0 + i;
+          if (j < nk) {
+            const int64_t slot = b.slots[j];
+            r[i] = load8(kc + slot * row + h * d + dv * 8);
+            if (ks) r[i] = _mm256_mul_ps(r[i], _mm256_set1_ps(ks[slot * kvh + h]));
+          } else {
+            r[i] = _mm256_setzero_ps();
+          }
+        }
+        transpose8(r);
+        for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(b.kt.data() + (dv * 8 + i) * KC + g0, r[i]);
+      }
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t slot = b.slots[j];
+      const __m256 sc = _mm256_set1_ps(vs ? vs[slot * kvh + h] : 1.f);
+      for (int64_t dv = 0; dv < d / 8; ++dv)
+        _mm256_storeu_ps(b.v.data() + j * d + dv * 8, _mm256_mul_ps(load8(vc + slot * row + h * d + dv * 8), sc));
+    }
+    for (int64_t r0 = 0; r0 < Mp; r0 += 4)
+      for (int64_t cc = 0; cc < nkp; cc += 16) scores_4x16(b.q.data(), b.kt.data(), b.s.data(), d, r0, cc);
+#endif
     // Online softmax over each row's visible keys of the chunk; the rest get probability 0.
     for (int64_t r = 0; r < Mp; ++r) {
       float* s = b.s.data() + r * KC;
@@ -300,6 +408,7 @@ void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT
         for (int64_t k = 0; k < d; ++k) b.o[r * d + k] *= b.alpha[r];
     }
     for (int64_t r0 = 0; r0 < Mp; r0 += 4) {
+#ifdef __AVX512F__
       int64_t s0 = 0;
       for (; s0 + 64 <= d; s0 += 64) pv_4rows<4>(b.s.data(), b.v.data(), b.o.data(), d, nk, r0, s0);
       switch ((d - s0) / 16) {
@@ -308,6 +417,9 @@ void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT
         case 3: pv_4rows<3>(b.s.data(), b.v.data(), b.o.data(), d, nk, r0, s0); break;
         default: break;
       }
+#else
+      for (int64_t s0 = 0; s0 < d; s0 += 16) pv_4x16(b.s.data(), b.v.data(), b.o.data(), d, nk, r0, s0);
+#endif
     }
   }
   for (int64_t r = 0; r < M; ++r) {
@@ -370,7 +482,7 @@ void paged_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor 
   check_attention_args("paged_prefill", out, q, k_cache, v_cache, k_scale, v_scale);
   const int64_t heads = q.size(1), kvh = k_cache.size(2), d = q.size(2), bs = k_cache.size(1);
   TORCH_CHECK(has_prefill_path(heads, kvh, d),
-              "paged_prefill: needs AVX-512, head_dim a multiple of 16 and heads a multiple of kv_heads");
+              "paged_prefill: needs AVX-512 or AVX2, head_dim a multiple of 16 and heads a multiple of kv_heads");
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong && block_tables.dim() == 2,
               "paged_prefill: block_tables must be contiguous int64 [num_seqs, width]");
   const int64_t nseq = block_tables.size(0), width = block_tables.size(1);
@@ -385,7 +497,7 @@ void paged_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor 
     TORCH_CHECK(cu[p + 1] >= cu[p] && st[p] >= 0 && st[p] + cu[p + 1] - cu[p] <= width * bs,
                 "paged_prefill: sequence ", p, " (start ", st[p], ", ", cu[p + 1] - cu[p],
                 " tokens) does not fit its block table (", width, " blocks of ", bs, ")");
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
   const float scale = static_cast<float>(scale_d), softcap = static_cast<float>(softcap_d);
   const int64_t* tp = block_tables.data_ptr<int64_t>();
   auto with_cache = [&](auto* qp, auto* op) {
