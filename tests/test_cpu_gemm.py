@@ -107,6 +107,7 @@ def test_auto_takes_dpbf16_only_without_amx(monkeypatch):
     monkeypatch.setattr(linear, "dpbf16_available", lambda: True)
     monkeypatch.setattr(linear, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16).linear_path == "dpbf16"
+    assert build.choose_backend(EngineSpec(), cpu, torch.float32, torch.float32).linear_path in ("onednn", "plain")
     monkeypatch.setattr(linear, "cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
     assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16).linear_path == "onednn"
     monkeypatch.setattr(linear, "dpbf16_available", lambda: False)
@@ -128,6 +129,8 @@ def test_auto_takes_fma_where_onednn_has_no_bf16(monkeypatch):
     monkeypatch.setattr(linear, "onednn_bf16_available", lambda: False)
     monkeypatch.setattr(linear, "fma_available", lambda: True)
     assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16, torch.bfloat16).linear_path == "fma"
+    # an fp32 model's weights stay on oneDNN, and the backend says so (it said fma before)
+    assert build.choose_backend(EngineSpec(), cpu, torch.float32, torch.float32).linear_path in ("onednn", "plain")
     monkeypatch.setattr(linear, "onednn_bf16_available", lambda: True)  # AVX-512 without bf16 dot products
     assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16, torch.bfloat16).linear_path == "onednn"
     monkeypatch.setattr(linear, "fma_available", lambda: False)

@@ -79,7 +79,10 @@ def choose_backend(spec, device: torch.device, kv_dtype: torch.dtype, dtype: tor
     if linear_path == "auto":
         # oneDNN where it has bf16 kernels (or where ours are not built); on AVX2-only CPUs our fma GEMM
         # takes the bf16 weights and oneDNN keeps the fp32 ones.
-        linear_path = "plain" if not cpu else "dpbf16" if dpbf16_preferred() else (
+        # fp32 weights go to oneDNN on every CPU (our GEMMs are for bf16 weights), so that is the path named.
+        linear_path = "plain" if not cpu else (
+            ("onednn" if onednn_available() else "plain") if dtype == torch.float32 else
+            "dpbf16" if dpbf16_preferred() else
             "onednn" if onednn_available() and (onednn_bf16_available() or not fma_available()) else
             "fma" if fma_available() else "onednn" if onednn_available() else "plain")
     elif linear_path == "dpbf16" and cpu and not dpbf16_available():
