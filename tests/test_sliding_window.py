@@ -29,22 +29,24 @@ def _run(model, ps, **cfg):
                                  dict(decode_attention="batched", max_num_batched_tokens=13)],
                          ids=["exact", "batched", "chunked"])
 def test_window_matches_transformers(windowed, cfg):
+    _assert_window_matches(windowed, **cfg)
+
+
+@pytest.mark.parametrize("windowed", [16], indirect=True)  # one window: Triton's interpreter is slow
+def test_window_on_the_triton_kernels_matches_transformers(windowed):
+    e = _assert_window_matches(windowed, attention_backend="triton", max_num_batched_tokens=40)
+    assert e.backend.attention == "triton"
+
+
+def _assert_window_matches(windowed, **cfg):
+    """Greedy tokens equal transformers' for every prompt, and every block is free afterwards."""
     window, model, ps, ref = windowed
     e, res = _run(model, ps, **cfg)
     assert e.window == window
     for i, want in enumerate(ref):
         assert res[str(i)] == want, f"prompt {i} (len {len(ps[i])}) diverged"
     e.kv_manager.check_all_free()
-
-
-@pytest.mark.parametrize("windowed", [16], indirect=True)  # one window: Triton's interpreter is slow
-def test_window_on_the_triton_kernels_matches_transformers(windowed):
-    window, model, ps, ref = windowed
-    e, res = _run(model, ps, attention_backend="triton", max_num_batched_tokens=40)
-    assert e.window == window and e.backend.attention == "triton"
-    for i, want in enumerate(ref):
-        assert res[str(i)] == want, f"prompt {i} (len {len(ps[i])}) diverged"
-    e.kv_manager.check_all_free()
+    return e
 
 
 def test_window_bounds_kv_per_sequence(windowed):

@@ -113,7 +113,7 @@ void decode_impl(float* out, float* lse, const float* q, int64_t q_stride, const
   });
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 // One head's slice of a K or V row (D values), into L2, for a later iteration.
 template <int D, typename KT>
 inline void prefetch_row(const KT* p) {
@@ -121,6 +121,15 @@ inline void prefetch_row(const KT* p) {
   for (int off = 0; off < static_cast<int>(sizeof(KT)) * D; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
 }
 
+// The slots of an N-row score tile from `first`; a tail tile (n < N) repeats its last row, so
+// every row load stays inside the block (only the n valid sums are stored).
+template <int N>
+inline void tile_slots(int64_t (&sl)[N], int64_t first, int64_t n) {
+  for (int i = 0; i < N; ++i) sl[i] = first + std::min<int64_t>(i, n - 1);
+}
+#endif
+
+#ifdef __AVX512F__
 // Element i (< 8) of the result = the sum of the 16 lanes of a[i]: ~3 shuffles and adds per
 // vector instead of the ~8 of one _mm512_reduce_add_ps each.
 inline __m256 transpose_sum8(const __m512* a) {
@@ -234,12 +243,6 @@ void decode_seq_regs(float* o, float* lse, const float* q, const KT* kc, const K
   });
   softmax_rows(scores, kvh * G, len, lse, softcap);
   weighted_v_sum<G, ND, ND>(o, scores, vc, vs, table, lo, hi, kvh, bs, acc_mem, next_k);
-}
-
-// The slots of an 8-row score tile from `first`; a tail tile (n8 < 8) repeats its last row, so
-// every row load stays inside the block (only the n8 valid lanes are stored).
-inline void tile_slots(int64_t (&sl)[8], int64_t first, int64_t n8) {
-  for (int i = 0; i < 8; ++i) sl[i] = first + std::min<int64_t>(i, n8 - 1);
 }
 
 template <int GT>
@@ -381,11 +384,6 @@ void decode_seq_tiled(float* o, float* lse, const float* q, const KT* kc, const 
 // x 4 K rows at a time (8 partial sums, 2 query slices and one K slice: 11 registers), the
 // weighted sum of V for all G heads over DC slices of 8 dims (G x DC + DC <= 15). One sequence,
 // every KV head per work item, walking each block as one contiguous span, as the AVX-512 kernels do.
-template <int D, typename KT>
-inline void prefetch_row(const KT* p) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int off = 0; off < static_cast<int>(sizeof(KT)) * D; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
-}
 
 // Element i (< 4) of the result = the sum of the 8 lanes of a[i].
 inline __m128 transpose_sum4(const __m256* a) {
@@ -403,11 +401,9 @@ inline void scores_tile(float* sc, int64_t len, const float* q, const KT* kbase,
   for (int64_t i0 = 0; i0 < cnt; i0 += 4) {
     const int64_t n4 = std::min<int64_t>(4, cnt - i0);
     int64_t sl[4];
+    tile_slots(sl, slot0 + i0, n4);
     const KT* kr[4];
-    for (int i = 0; i < 4; ++i) {
-      sl[i] = slot0 + i0 + std::min<int64_t>(i, n4 - 1);
-      kr[i] = kbase + sl[i] * row;
-    }
+    for (int i = 0; i < 4; ++i) kr[i] = kbase + sl[i] * row;
     if (next)
       for (int64_t i = 0; i < n4; ++i) prefetch_row<D>(next + (i0 + i) * row);
     __m256 acc[GT][4];

@@ -77,14 +77,14 @@ def choose_backend(spec, device: torch.device, kv_dtype: torch.dtype, dtype: tor
     linear_path = spec.linear_path
     cpu = device.type == "cpu"
     if linear_path == "auto":
-        # oneDNN where it has bf16 kernels (or where ours are not built); on AVX2-only CPUs our fma GEMM
-        # takes the bf16 weights and oneDNN keeps the fp32 ones.
-        # fp32 weights go to oneDNN on every CPU (our GEMMs are for bf16 weights), so that is the path named.
+        # Our GEMMs are for bf16 weights: fp32 ones go to oneDNN on every CPU, so that is the path named.
+        # bf16: dpbf16 without AMX, else oneDNN where it has bf16 kernels (or ours are not built),
+        # else (AVX2-only CPUs) our fma GEMM.
         linear_path = "plain" if not cpu else (
             ("onednn" if onednn_available() else "plain") if dtype == torch.float32 else
             "dpbf16" if dpbf16_preferred() else
             "onednn" if onednn_available() and (onednn_bf16_available() or not fma_available()) else
-            "fma" if fma_available() else "onednn" if onednn_available() else "plain")
+            "fma" if fma_available() else "plain")
     elif linear_path == "dpbf16" and cpu and not dpbf16_available():
         raise ConfigError("engine.linear_path: dpbf16 needs a CPU with AVX512-BF16 and the C++ ops "
                           "(use auto, fma or onednn)")
