@@ -145,8 +145,10 @@ def gemm_ceiling(shape, items: list[WorkloadItem], batch: int = 256) -> dict:
     paths = ["plain"] + (["onednn"] if onednn_available() else [])
     rates = {}
     for dtype in (torch.float32, torch.bfloat16):
-        own = [p for p, ok in (("dpbf16", dpbf16_available), ("fma", fma_available)) if ok()]
-        for path in paths + (own if dtype == torch.bfloat16 else []):
+        # dpbf16 is for bf16 weights only; fma takes both dtypes
+        own = [p for p, ok in (("dpbf16", dpbf16_available), ("fma", fma_available))
+               if ok() and (dtype == torch.bfloat16 or p == "fma")]
+        for path in paths + own:
             flops = secs = 0.0
             for k, n in mats:
                 lin = Linear(torch.randn(n, k, dtype=dtype), None, path)

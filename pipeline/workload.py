@@ -133,7 +133,8 @@ def cpu_info() -> dict:
             "gemms": "oneDNN (AMX tiles for bf16)" if "amx_bf16" in flags else
             "bf16: batchgen dpbf16 (AVX512-BF16), fp32: oneDNN (AVX-512)" if "avx512_bf16" in flags else
             "oneDNN (AVX-512)" if "avx512f" in flags else
-            "bf16: batchgen fma (AVX2), fp32: oneDNN (AVX2)" if "avx2" in flags and "fma" in flags else "oneDNN",
+            "batchgen fma (AVX2; fp32, and bf16 weights widened to fp32)" if "avx2" in flags and "fma" in flags
+            else "oneDNN",
             "attention_ops": ("AVX-512 with bf16 dot products" if "avx512_bf16" in flags else
                               "AVX-512" if "avx512f" in flags else
                               "AVX2" if "avx2" in flags and "fma" in flags else

@@ -1,5 +1,5 @@
-"""Our bf16 GEMMs (kernels/csrc/gemm_cpu.cpp: dpbf16 on AVX512-BF16, fma on AVX2) against fp32
-matmuls, and where `auto` picks them."""
+"""Our GEMMs (kernels/csrc/gemm_cpu.cpp: bf16 on dpbf16 (AVX512-BF16) and fma (AVX2), fp32 on fma)
+against fp32 and float64 matmuls, and where `auto` picks them."""
 import pytest
 import torch
 
@@ -70,9 +70,59 @@ def test_gemm_reads_strided_rows_and_leading_dims(path):
     assert lin(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 96)
 
 
+def _ref64(x, w, b):
+    y = x.double() @ w.double().t()
+    return y + b.double() if b is not None else y
+
+
+@needs_fma
+# N: one panel, a ragged last panel (N % 16), many panels, a single column; K: below and above one
+# 256-k slice, uneven slices (300 -> 2 x 150, 4,864 -> 19 x 256) and odd K; M: every 6-row tail, and
+# calls past 256 rows (row blocks, one of a single row).
+@pytest.mark.parametrize("n,k", [(16, 64), (33, 300), (1000, 7), (1, 513), (72, 4864)])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 64, 257, 520])
+@pytest.mark.parametrize("bias", [False, True])
+def test_f32_gemm_matches_float64(n, k, m, bias):
+    g = torch.Generator().manual_seed(n * 131 + k * 7 + m)
+    w = torch.randn(n, k, generator=g) * 0.05
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(m, k, generator=g)
+    lin = Linear(w, b, "fma")
+    assert lin.path == "fma" and lin.weight.shape == ((n + 15) // 16, k, 16) and lin.weight.dtype == torch.float32
+    out = lin(x)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    want = _ref64(x, w, b)
+    # fp32 sums in another order than float64's: errors of a few ulps of the sum's terms.
+    err = (out.double() - want).abs()
+    tol = 1e-6 * (k ** 0.5) * (x.double().abs() @ w.double().abs().t()).clamp_min(1e-3) + 1e-6
+    assert bool((err <= tol).all()), f"max error {err.max().item()} at {divmod(int(err.argmax()), n)}"
+
+
+@needs_fma
+def test_f32_gemm_reads_strided_rows_and_leading_dims():
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(40, 64, generator=g), torch.randn(40, generator=g)
+    lin = Linear(w, b, "fma")
+    wide = torch.randn(300, 200, generator=g)
+    x = wide[:, 40:104]  # rows 200 apart, more than one 256-row block
+    assert x.stride() == (200, 1)
+    torch.testing.assert_close(lin(x), _ref64(x, w, b).float(), rtol=1e-5, atol=1e-4)
+    x3 = torch.randn(2, 3, 64, generator=g)
+    assert lin(x3).shape == (2, 3, 40)
+    torch.testing.assert_close(lin(x3).reshape(6, 40), lin(x3.reshape(6, 64)), rtol=0, atol=0)
+    assert lin(torch.empty(0, 64)).shape == (0, 40)
+    assert torch.equal(lin(x.bfloat16()), lin(x.bfloat16().float()))  # other dtypes are widened first
+    ops = torch.ops.batchgen_cpu
+    with pytest.raises(RuntimeError, match="x has 63 features, the weight 64"):
+        ops.gemm_f32_fma(torch.empty(2, 40), torch.randn(2, 63), lin.weight, None)
+    with pytest.raises(RuntimeError, match="bias fp32"):
+        ops.gemm_f32_fma(torch.empty(2, 40), torch.randn(2, 64), lin.weight, torch.randn(39))
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_weights_it_cannot_take_stay_on_onednn(path):
-    assert Linear(torch.randn(32, 64), None, path).path == "onednn"  # fp32 model
+    # fp32 model: fma has an fp32 GEMM, dpbf16 does not
+    assert Linear(torch.randn(32, 64), None, path).path == ("fma" if path == "fma" else "onednn")
     w = (torch.randn(32, 63) * 0.05).bfloat16()
     odd = Linear(w, None, path)  # odd K: no k pairs; F.linear where oneDNN has no bf16
     assert odd.path == ("onednn" if linear.onednn_bf16_available() else "plain")
@@ -129,10 +179,13 @@ def test_auto_takes_fma_where_onednn_has_no_bf16(monkeypatch):
     monkeypatch.setattr(linear, "onednn_bf16_available", lambda: False)
     monkeypatch.setattr(linear, "fma_available", lambda: True)
     assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16, torch.bfloat16).linear_path == "fma"
-    # an fp32 model's weights stay on oneDNN, and the backend says so (it said fma before)
-    assert build.choose_backend(EngineSpec(), cpu, torch.float32, torch.float32).linear_path in ("onednn", "plain")
+    # AVX2 without AVX-512: an fp32 model's weights go to the fp32 fma GEMM too
+    assert build.choose_backend(EngineSpec(), cpu, torch.float32, torch.float32).linear_path == "fma"
     monkeypatch.setattr(linear, "onednn_bf16_available", lambda: True)  # AVX-512 without bf16 dot products
+    monkeypatch.setattr(linear, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
     assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16, torch.bfloat16).linear_path == "onednn"
+    # fp32 stays on oneDNN's AVX-512 kernels
+    assert build.choose_backend(EngineSpec(), cpu, torch.float32, torch.float32).linear_path in ("onednn", "plain")
     monkeypatch.setattr(linear, "fma_available", lambda: False)
     with pytest.raises(ConfigError, match="engine.linear_path: fma"):
         build.choose_backend(EngineSpec(linear_path="fma"), cpu, torch.bfloat16, torch.bfloat16)

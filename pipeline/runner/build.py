@@ -56,7 +56,8 @@ def apply_profile(spec):
 class Backend:
     # torch | cpu (the C++ ops) | triton
     attention: str
-    # plain (F.linear) | onednn (packed weights) | dpbf16 / fma (our AVX512-BF16 / AVX2 GEMMs for bf16 weights)
+    # plain (F.linear) | onednn (packed weights) | dpbf16 (our AVX512-BF16 GEMM for bf16 weights) |
+    # fma (our AVX2 GEMMs, fp32 and bf16 weights)
     linear_path: str
     # The C++ fused layer ops (add+RMSNorm, RoPE, SiLU-mul, greedy argmax) on the CPU fast path.
     fused_ops: bool
@@ -70,6 +71,7 @@ def choose_backend(spec, device: torch.device, kv_dtype: torch.dtype, dtype: tor
         dpbf16_available,
         dpbf16_preferred,
         fma_available,
+        fma_f32_preferred,
         onednn_available,
         onednn_bf16_available,
     )
@@ -77,11 +79,11 @@ def choose_backend(spec, device: torch.device, kv_dtype: torch.dtype, dtype: tor
     linear_path = spec.linear_path
     cpu = device.type == "cpu"
     if linear_path == "auto":
-        # Our GEMMs are for bf16 weights: fp32 ones go to oneDNN on every CPU, so that is the path named.
-        # bf16: dpbf16 without AMX, else oneDNN where it has bf16 kernels (or ours are not built),
-        # else (AVX2-only CPUs) our fma GEMM.
+        # fp32: our fma GEMM on AVX2 CPUs without AVX-512, else oneDNN. bf16: dpbf16 without AMX, else
+        # oneDNN where it has bf16 kernels (or ours are not built), else (AVX2-only CPUs) our fma GEMM.
         linear_path = "plain" if not cpu else (
-            ("onednn" if onednn_available() else "plain") if dtype == torch.float32 else
+            ("fma" if fma_f32_preferred() else "onednn" if onednn_available() else "plain")
+            if dtype == torch.float32 else
             "dpbf16" if dpbf16_preferred() else
             "onednn" if onednn_available() and (onednn_bf16_available() or not fma_available()) else
             "fma" if fma_available() else "plain")

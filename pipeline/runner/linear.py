@@ -10,10 +10,13 @@ stream, and this kernel prefetches the next weight panel while it computes the c
 Weights that are not bf16 (an fp32 model) stay on oneDNN under it. On AMX CPUs oneDNN's AMX
 tiles are several times faster, so `auto` never picks it there.
 
-`fma` is the same GEMM for AVX2 CPUs without AVX-512 (AMD Zen 2/3, Intel client parts), where
-oneDNN has no bf16 kernels (its weight reorder refuses bf16) and F.linear's bf16 fallback runs at
-a fraction of the fp32 rate: the bf16 weight is widened to fp32 in registers and multiplied with
-FMA. `auto` picks it for bf16 weights wherever oneDNN cannot take them; fp32 weights stay on oneDNN.
+`fma` is our GEMM for AVX2 CPUs without AVX-512 (AMD Zen 2/3, Intel client parts), for both weight
+dtypes. bf16: oneDNN has no bf16 kernels there (its weight reorder refuses bf16) and F.linear's
+bf16 fallback runs at a fraction of the fp32 rate, so the bf16 weight is widened to fp32 in
+registers and multiplied with FMA. fp32: 6 x 16 register tiles over 16-column weight panels, which
+ran 10-40% above oneDNN's AVX2 fp32 GEMM at an fp32 model's shapes (`examples/bench_gemm_rows.py`).
+`auto` picks it for bf16 weights wherever oneDNN cannot take them, and for fp32 weights on CPUs
+with AVX2 and no AVX-512 (on AVX-512 CPUs fp32 stays on oneDNN's AVX-512 kernels).
 """
 from __future__ import annotations
 
@@ -51,6 +54,11 @@ def onednn_bf16_available() -> bool:
     return onednn_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def fma_f32_preferred() -> bool:
+    """Whether `auto` puts fp32 weights on the fma GEMM: AVX2 and FMA, and no AVX-512 (oneDNN's kernels there)."""
+    return "avx512f" not in cpu_flags() and fma_available()
+
+
 def dpbf16_preferred() -> bool:
     """Whether `auto` takes dpbf16: it runs here and the CPU has no AMX (where oneDNN uses AMX tiles)."""
     return "amx_bf16" not in cpu_flags() and dpbf16_available()
@@ -65,14 +73,19 @@ class Linear:
         self.path = path
         cpu = weight.device.type == "cpu"
         packable = cpu and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0
+        f32 = cpu and weight.dtype == torch.float32
         if path == "dpbf16" and not (packable and dpbf16_available()):
             path = "onednn"
-        if path == "fma" and not (packable and fma_available()):
+        if path == "fma" and not ((packable or f32) and fma_available()):
             path = "onednn"
         if path == "onednn" and cpu and weight.dtype == torch.bfloat16 and not onednn_bf16_available():
             path = "fma" if packable and fma_available() else "plain"  # oneDNN refuses bf16 here
         self.path = path
-        if path in ("dpbf16", "fma"):
+        if path == "fma" and f32:
+            self._op = torch.ops.batchgen_cpu.gemm_f32_fma
+            self.weight = torch.ops.batchgen_cpu.pack_f32_weight(weight.contiguous())
+            self._bias32 = bias.contiguous() if bias is not None else None
+        elif path in ("dpbf16", "fma"):
             self._op = torch.ops.batchgen_cpu.gemm_bf16 if path == "dpbf16" else torch.ops.batchgen_cpu.gemm_bf16_fma
             self.weight = torch.ops.batchgen_cpu.pack_bf16_weight(weight.contiguous())
             self._bias32 = bias.float().contiguous() if bias is not None else None
@@ -85,8 +98,9 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.path in ("dpbf16", "fma"):
             x2 = x.reshape(-1, x.shape[-1])
-            if x2.stride(-1) != 1 or x2.dtype != torch.bfloat16:
-                x2 = x2.to(torch.bfloat16).contiguous()
+            dt = self.weight.dtype  # fp32 (gemm_f32_fma) or bf16 (packed as bf16)
+            if x2.stride(-1) != 1 or x2.dtype != dt:
+                x2 = x2.to(dt).contiguous()
             out = x2.new_empty(x2.shape[0], self.out_features)
             self._op(out, x2, self.weight, self._bias32)
             return out.view(*x.shape[:-1], self.out_features)
