@@ -1,6 +1,6 @@
-// Our GEMMs, y = x @ W.T (+ b). bf16 ones for CPUs without AMX: gemm_bf16 for AVX512-BF16 (AMD
-// Zen 4/5, Intel Cooper Lake), gemm_bf16_fma for AVX2 + FMA (below), both on pack_bf16_weight's
-// layout. And gemm_f32_fma, an fp32 GEMM for AVX2 CPUs without AVX-512 (at the end).
+// Our GEMMs, y = x @ W.T (+ b). gemm_bf16 for AVX512-BF16 CPUs without AMX (AMD Zen 4/5, Intel
+// Cooper Lake), on pack_bf16_weight's layout; gemm_bf16_fma and gemm_f32_fma for AVX2 + FMA CPUs
+// without AVX-512 (below), on pack_bf16_weight's and pack_f32_weight's.
 //
 // oneDNN's bf16 kernels reach the dot-product peak on large row counts, but a decode step has
 // tens of rows, and there oneDNN ran at 75-85% of its 256-row rate on Qwen2.5-1.5B's shapes: it
@@ -161,150 +161,51 @@ void rows(const uint16_t* a, int64_t m, int64_t lda, const uint16_t* b, int64_t 
 #endif  // BATCHGEN_DPBF16
 
 #ifdef BATCHGEN_FMA
-// The same GEMM for AVX2 CPUs without AVX-512 (AMD Zen 2/3, Intel Haswell to Alder Lake client
-// parts), where oneDNN has no bf16 kernels at all and F.linear's bf16 fallback runs at a tenth of
-// the fp32 rate. The weight keeps pack_bf16_weight's layout: one k pair of 8 columns is one 256-bit
-// load, and two integer ops widen it to fp32 in registers (k0 = the word shifted up 16 bits, k1 =
-// its high half masked), so the weight stream stays bf16 (half fp32's bytes) and the arithmetic is
-// fp32 FMA. x is widened once per 6-row tile and K chunk into a small fp32 buffer, which the tile
-// broadcasts from. The tile is 6 rows x 16 columns (12 accumulators, 2 weight vectors, one
-// broadcast and the mask: all 16 ymm registers).
+// GEMMs for AVX2 CPUs without AVX-512 (AMD Zen 2/3, Intel Haswell to Alder Lake client parts), for
+// fp32 weights (gemm_f32_fma) and bf16 ones (gemm_bf16_fma). oneDNN's AVX2 fp32 GEMM ran at 60-75%
+// of this CPU's FMA peak at an fp32 model's shapes (Zen 2: 209 GFLOP/s on 2 cores; oneDNN 70-80 at
+// 16 rows, 125-135 at 64, 145-155 at 2,048), and the GEMMs are ~89% of an fp32 run there. oneDNN
+// has no bf16 kernels at all on these CPUs, and F.linear's bf16 fallback runs at a tenth of the
+// fp32 rate.
+//
+// Both weights are packed once into 16-column panels with one 64-byte line per step of k: fp32 as
+// [ceil(N / 16), K, 16] (one k per line), bf16 as pack_bf16_weight's [ceil(N / 16), K / 2, 16, 2]
+// (one k pair per line; two integer ops widen it to fp32 in registers: k0 = the word shifted up
+// 16 bits, k1 = its high half masked, so the weight stream stays bf16 and the arithmetic is fp32).
+// A 6-row x 16-column register tile (12 accumulators, 2 weight vectors, 1 broadcast) walks one
+// 16 KiB slice of a panel (256 k of fp32, 512 of bf16), which stays in L1 while every row tile of
+// the call runs over it; the first of them prefetches the next slice. Each thread takes a
+// contiguous run of panels and walks them panel by panel, slice by slice, so its share of the
+// weight streams in memory order. Between slices the sums go to the output (fp32) or to a per-
+// thread fp32 buffer (bf16). Calls with more than 256 rows run as 256-row blocks: the x of a block
+// stays in L2/L3, and the output rows a tile writes stay within the TLB's reach (one unblocked pass
+// over 2,048 rows ran 15-25% slower). bf16 x is widened once per block into an fp32 buffer.
 namespace fma {
 
 constexpr int kRows = 6;
-constexpr int64_t kChunkPairs = 1024;  // k pairs per L2 chunk: 4 blocks x 1024 x 64 B = 256 KiB of weights
-
-struct Out {
-  uint16_t* c;         // output rows (bf16), ldc apart, at this block's first column
-  int64_t ldc;
-  float* part;         // fp32 partial sums between K chunks, 64 per row, at this block
-  const float* bias;   // at this block, or null
-  int cols;            // valid columns of this block (16 unless at N's end)
-  bool first, last;
-};
-
-// MR rows of fp32 x (lda apart) times one 16-column block of packed weights, kp_n k pairs.
-template <int MR>
-__attribute__((noinline)) void tile(const float* a, int64_t lda, const uint16_t* b, int64_t kp_n, const Out& o) {
-  __m256 acc[MR][2];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 2
-    for (int j = 0; j < 2; ++j) acc[i][j] = o.first ? _mm256_setzero_ps() : _mm256_loadu_ps(o.part + i * 64 + j * 8);
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t kp = 0; kp < kp_n; ++kp) {
-    const __m256i* wp = reinterpret_cast<const __m256i*>(b + kp * 32);
-    _mm_prefetch(reinterpret_cast<const char*>(b + (kp + 12) * 32), _MM_HINT_T0);
-    __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wp), 16));
-    __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wp + 1), 16));
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m256 x = _mm256_broadcast_ss(a + i * lda + 2 * kp);
-      acc[i][0] = _mm256_fmadd_ps(x, w0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(x, w1, acc[i][1]);
-    }
-    w0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wp), high));
-    w1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wp + 1), high));
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m256 x = _mm256_broadcast_ss(a + i * lda + 2 * kp + 1);
-      acc[i][0] = _mm256_fmadd_ps(x, w0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(x, w1, acc[i][1]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-    if (!o.last) {
-      _mm256_storeu_ps(o.part + i * 64, acc[i][0]);
-      _mm256_storeu_ps(o.part + i * 64 + 8, acc[i][1]);
-      continue;
-    }
-    alignas(32) float v[16];
-    _mm256_store_ps(v, acc[i][0]);
-    _mm256_store_ps(v + 8, acc[i][1]);
-    if (o.bias)
-      for (int j = 0; j < o.cols; ++j) v[j] += o.bias[j];
-    batchgen_cpu::row_from_f32(v, reinterpret_cast<c10::BFloat16*>(o.c + i * o.ldc), o.cols);
-  }
-}
-
-void gemm(uint16_t* c, const uint16_t* a, int64_t m, int64_t lda, const uint16_t* w, int64_t n, int64_t nblk,
-          int64_t kp, const float* bias) {
-  constexpr int64_t kPanel = 4;  // blocks per task: 64 columns
-  const int64_t panels = (nblk + kPanel - 1) / kPanel, bstride = kp * 32;
-  const int64_t chunks = (kp + kChunkPairs - 1) / kChunkPairs, chunk = (kp + chunks - 1) / chunks;
-  // +16 floats: rows 2 x 1,024 x 4 B apart would share L1 sets
-  const int64_t ldf = 2 * chunk + 16;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> part(chunks > 1 ? m * 64 : 0), af(kRows * ldf);
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t blk0 = p * kPanel, nb = std::min<int64_t>(kPanel, nblk - blk0);
-      for (int64_t ch = 0; ch < chunks; ++ch) {
-        const int64_t k0 = ch * chunk, kn = std::min(chunk, kp - k0);
-        for (int64_t r = 0; r < m; r += kRows) {
-          const int64_t mr = std::min<int64_t>(kRows, m - r);
-          for (int64_t i = 0; i < mr; ++i)
-            batchgen_cpu::row_to_f32(reinterpret_cast<const c10::BFloat16*>(a + (r + i) * lda + 2 * k0),
-                                     af.data() + i * ldf, 2 * kn);
-          for (int64_t j = 0; j < nb; ++j) {
-            const int64_t blk = blk0 + j;
-            Out o{c + r * n + blk * 16, n, part.data() + r * 64 + j * 16, bias ? bias + blk * 16 : nullptr,
-                  static_cast<int>(std::min<int64_t>(16, n - blk * 16)), ch == 0, ch == chunks - 1};
-            const uint16_t* wb = w + blk * bstride + k0 * 32;
-            switch (mr) {
-              case 6: tile<6>(af.data(), ldf, wb, kn, o); break;
-              case 5: tile<5>(af.data(), ldf, wb, kn, o); break;
-              case 4: tile<4>(af.data(), ldf, wb, kn, o); break;
-              case 3: tile<3>(af.data(), ldf, wb, kn, o); break;
-              case 2: tile<2>(af.data(), ldf, wb, kn, o); break;
-              default: tile<1>(af.data(), ldf, wb, kn, o); break;
-            }
-          }
-        }
-      }
-    }
-  });
-}
-
-}  // namespace fma
-#endif  // BATCHGEN_FMA
-
-#ifdef BATCHGEN_FMA
-// fp32 GEMM for AVX2 CPUs (AMD Zen 2/3, Intel client parts). oneDNN's AVX2 fp32 GEMM ran at 60-75% of
-// this CPU's FMA peak at an fp32 model's shapes (Zen 2: 209 GFLOP/s on 2 cores; oneDNN 70-80 at 16
-// rows, 125-135 at 64, 145-155 at 2,048), and the fp32 GEMMs are ~89% of an fp32 run there.
-// The weight is packed once into 16-column panels, [ceil(N / 16), K, 16]: one k of a panel is one
-// 64-byte line. A 6-row x 16-column register tile (12 accumulators, 2 weight vectors, 1 broadcast)
-// walks 256 k at a time; x is read in place (each row is 256 contiguous floats per tile).
-// Per thread (a contiguous run of panels, so its share of the weight is one contiguous run), for
-// each panel and each 256-k slice (16 KiB, L1-resident), every row tile of the call runs, and the
-// first of them prefetches the next slice, which lies right after it in memory. The accumulators
-// go to the output between slices (fp32, so no partial buffer). Calls with more than 256 rows run
-// as 256-row blocks: the x slice of a block (256 KiB) stays in L2, and the output rows a tile
-// writes stay within the TLB's reach (one unblocked pass over 2,048 rows ran 15-25% slower).
-namespace f32 {
-
-constexpr int kRows = 6;
-constexpr int64_t kCols = 16, kSlice = 256, kBlockRows = 256;
+constexpr int64_t kCols = 16, kSliceBytes = 16384, kBlockRows = 256;
 
 inline __m256i lanes_below(int n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 struct Tile {
-  float* c;            // output rows, ldc apart, at the panel's first column
+  float* c;            // fp32 sums: the fp32 output, or (bf16) the thread's buffer, ldc apart
   int64_t ldc;
+  uint16_t* c16;       // bf16 output rows (ldc16 apart), written on the last slice; null for fp32
+  int64_t ldc16;
   const float* bias;   // at the panel, or null; added on the last slice
   int cols;            // valid columns of the panel (16 unless at N's end)
-  bool first, last;    // slice 0 (start from zero) / the last slice (add the bias)
+  bool first, last;    // slice 0 (start from zero) / the last slice
 };
 
-// MR rows of x (lda apart) times kn k of one packed panel; pf: a line per k to prefetch, or null.
-template <int MR>
-__attribute__((noinline)) void tile(const float* a, int64_t lda, const float* b, int64_t kn, const Tile& t,
-                                    const float* pf) {
+// MR rows of fp32 x (lda apart) times kn k of one packed panel (fp32 or bf16 pairs); pf: the
+// next slice (one line per step of k to prefetch), or null.
+template <int MR, bool BF16>
+__attribute__((noinline)) void tile(const float* a, int64_t lda, const void* bp, int64_t kn, const Tile& t,
+                                    const char* pf) {
   __m256 acc[MR][2];
-  const bool full = t.cols == kCols;
+  const bool full = BF16 || t.cols == kCols;  // the bf16 sums buffer is 16 wide
   const __m256i m0 = lanes_below(t.cols), m1 = lanes_below(t.cols - 8);
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
@@ -312,24 +213,57 @@ __attribute__((noinline)) void tile(const float* a, int64_t lda, const float* b,
     acc[i][0] = t.first ? _mm256_setzero_ps() : full ? _mm256_loadu_ps(c) : _mm256_maskload_ps(c, m0);
     acc[i][1] = t.first ? _mm256_setzero_ps() : full ? _mm256_loadu_ps(c + 8) : _mm256_maskload_ps(c + 8, m1);
   }
-  for (int64_t k = 0; k < kn; ++k) {
-    if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + k * kCols), _MM_HINT_T0);
-    const __m256 b0 = _mm256_loadu_ps(b + k * kCols), b1 = _mm256_loadu_ps(b + k * kCols + 8);
+  if constexpr (!BF16) {
+    const float* b = static_cast<const float*>(bp);
+    for (int64_t k = 0; k < kn; ++k) {
+      if (pf) _mm_prefetch(pf + k * 64, _MM_HINT_T0);
+      const __m256 b0 = _mm256_loadu_ps(b + k * kCols), b1 = _mm256_loadu_ps(b + k * kCols + 8);
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m256 x = _mm256_broadcast_ss(a + i * lda + k);
-      acc[i][0] = _mm256_fmadd_ps(x, b0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(x, b1, acc[i][1]);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 x = _mm256_broadcast_ss(a + i * lda + k);
+        acc[i][0] = _mm256_fmadd_ps(x, b0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(x, b1, acc[i][1]);
+      }
+    }
+  } else {
+    const __m256i* b = static_cast<const __m256i*>(bp);
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int64_t kp = 0; kp < kn / 2; ++kp) {
+      if (pf) _mm_prefetch(pf + kp * 64, _MM_HINT_T0);
+      const __m256i raw0 = _mm256_loadu_si256(b + 2 * kp), raw1 = _mm256_loadu_si256(b + 2 * kp + 1);
+      __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw0, 16));
+      __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(raw1, 16));
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const __m256 x = _mm256_broadcast_ss(a + i * lda + 2 * kp);
+        acc[i][0] = _mm256_fmadd_ps(x, w0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(x, w1, acc[i][1]);
+      }
+      w0 = _mm256_castsi256_ps(_mm256_and_si256(raw0, high));
+      w1 = _mm256_castsi256_ps(_mm256_and_si256(raw1, high));
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const __m256 x = _mm256_broadcast_ss(a + i * lda + 2 * kp + 1);
+        acc[i][0] = _mm256_fmadd_ps(x, w0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(x, w1, acc[i][1]);
+      }
     }
   }
   const bool add = t.last && t.bias;
   const __m256 z = _mm256_setzero_ps();
-  const __m256 bias0 = !add ? z : full ? _mm256_loadu_ps(t.bias) : _mm256_maskload_ps(t.bias, m0);
-  const __m256 bias1 = !add ? z : full ? _mm256_loadu_ps(t.bias + 8) : _mm256_maskload_ps(t.bias + 8, m1);
+  const __m256 bias0 = !add ? z : t.cols == kCols ? _mm256_loadu_ps(t.bias) : _mm256_maskload_ps(t.bias, m0);
+  const __m256 bias1 = !add ? z : t.cols == kCols ? _mm256_loadu_ps(t.bias + 8) : _mm256_maskload_ps(t.bias + 8, m1);
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
-    float* c = t.c + i * t.ldc;
     const __m256 v0 = _mm256_add_ps(acc[i][0], bias0), v1 = _mm256_add_ps(acc[i][1], bias1);
+    if (BF16 && t.last) {
+      alignas(32) float v[16];
+      _mm256_store_ps(v, v0);
+      _mm256_store_ps(v + 8, v1);
+      batchgen_cpu::row_from_f32(v, reinterpret_cast<c10::BFloat16*>(t.c16 + i * t.ldc16), t.cols);
+      continue;
+    }
+    float* c = t.c + i * t.ldc;
     if (full) {
       _mm256_storeu_ps(c, v0);
       _mm256_storeu_ps(c + 8, v1);
@@ -340,43 +274,53 @@ __attribute__((noinline)) void tile(const float* a, int64_t lda, const float* b,
   }
 }
 
-// Rows [0, m) of x (m <= kBlockRows) times panels [p0, p1).
-void block(float* c, int64_t ldc, const float* a, int64_t m, int64_t lda, const float* w, int64_t n, int64_t k,
-           int64_t p0, int64_t p1, const float* bias) {
-  const int64_t slices = (k + kSlice - 1) / kSlice, kc = (k + slices - 1) / slices;
-  const float* end = w + p1 * k * kCols;
+// Rows [0, m) of fp32 x (m <= kBlockRows, lda apart) times panels [p0, p1) of w (k features);
+// c / c16: the block's fp32 / bf16 output rows, ldc apart.
+template <bool BF16>
+void block(float* c, uint16_t* c16, int64_t ldc, const float* a, int64_t m, int64_t lda, const void* w, int64_t n,
+           int64_t k, int64_t p0, int64_t p1, const float* bias) {
+  constexpr int64_t kLine = BF16 ? 2 : 1;                       // k per 64-byte line
+  const int64_t slices = (k + kSliceBytes / 64 * kLine - 1) / (kSliceBytes / 64 * kLine);
+  const int64_t kc = ((k + slices - 1) / slices + kLine - 1) / kLine * kLine;  // whole k pairs for bf16
+  const char* wb = static_cast<const char*>(w);
+  const int64_t panel_bytes = k / kLine * 64;
+  const char* end = wb + p1 * panel_bytes;
+  std::vector<float> sums(BF16 ? kBlockRows * kCols : 0);
   for (int64_t p = p0; p < p1; ++p) {
-    const int cols = static_cast<int>(std::min(kCols, n - p * kCols));
+    Tile t{BF16 ? sums.data() : c + p * kCols, BF16 ? kCols : ldc, BF16 ? c16 + p * kCols : nullptr, ldc,
+           bias ? bias + p * kCols : nullptr, static_cast<int>(std::min(kCols, n - p * kCols)), true, false};
     for (int64_t k0 = 0; k0 < k; k0 += kc) {
       const int64_t kn = std::min(kc, k - k0);
-      const float* b = w + (p * k + k0) * kCols;
-      const float* next = b + kc * kCols;  // the next slice of this panel, or the next panel's first
-      if (next + kn * kCols > end) next = nullptr;
-      const Tile t{c + p * kCols, ldc, bias ? bias + p * kCols : nullptr, cols, k0 == 0, k0 + kn >= k};
+      const char* b = wb + p * panel_bytes + k0 / kLine * 64;
+      const char* next = b + kc / kLine * 64;  // the next slice of this panel, or the next panel's first
+      if (next + kn / kLine * 64 > end) next = nullptr;
+      t.first = k0 == 0;
+      t.last = k0 + kn >= k;
       // ceil(m / 6) tiles of near-equal height (32 rows: 6, 6, 5, 5, 5, 5, not 6 x 5 + 2): a tile
       // of few rows has too few accumulators to cover the FMA latency.
       const int64_t tiles = (m + kRows - 1) / kRows, base = m / tiles, taller = m % tiles;
       for (int64_t i = 0, r = 0; i < tiles; ++i) {
         const int64_t rows = base + (i < taller);
         Tile tr = t;
-        tr.c = t.c + r * ldc;
+        tr.c = t.c + r * t.ldc;
+        tr.c16 = BF16 ? t.c16 + r * ldc : nullptr;
         const float* ar = a + r * lda + k0;
-        const float* pf = r == 0 ? next : nullptr;
+        const char* pf = r == 0 ? next : nullptr;
         r += rows;
         switch (rows) {
-          case 6: tile<6>(ar, lda, b, kn, tr, pf); break;
-          case 5: tile<5>(ar, lda, b, kn, tr, pf); break;
-          case 4: tile<4>(ar, lda, b, kn, tr, pf); break;
-          case 3: tile<3>(ar, lda, b, kn, tr, pf); break;
-          case 2: tile<2>(ar, lda, b, kn, tr, pf); break;
-          default: tile<1>(ar, lda, b, kn, tr, pf); break;
+          case 6: tile<6, BF16>(ar, lda, b, kn, tr, pf); break;
+          case 5: tile<5, BF16>(ar, lda, b, kn, tr, pf); break;
+          case 4: tile<4, BF16>(ar, lda, b, kn, tr, pf); break;
+          case 3: tile<3, BF16>(ar, lda, b, kn, tr, pf); break;
+          case 2: tile<2, BF16>(ar, lda, b, kn, tr, pf); break;
+          default: tile<1, BF16>(ar, lda, b, kn, tr, pf); break;
         }
       }
     }
   }
 }
 
-}  // namespace f32
+}  // namespace fma
 #endif  // BATCHGEN_FMA
 
 // w [N, K] fp32 -> [ceil(N / 16), K, 16]: panel p, row k holds w[16p + j, k] for j = 0..15. Columns
@@ -423,9 +367,9 @@ void gemm_f32_fma(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional
   float* c = out.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t lda = x.stride(0);
-  for (int64_t r = 0; r < m; r += f32::kBlockRows)
+  for (int64_t r = 0; r < m; r += fma::kBlockRows)
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-      f32::block(c + r * n, n, a + r * lda, std::min(f32::kBlockRows, m - r), lda, w, n, k, p0, p1, bp);
+      fma::block<false>(c + r * n, nullptr, n, a + r * lda, std::min(fma::kBlockRows, m - r), lda, w, n, k, p0, p1, bp);
     });
 #else
   TORCH_CHECK(false, "gemm_f32_fma: this build has no AVX2/FMA (check has_fma_bf16_gemm first)");
@@ -449,10 +393,26 @@ void check_gemm_args(const char* op, const at::Tensor& out, const at::Tensor& x,
 void gemm_bf16_fma(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
 #ifdef BATCHGEN_FMA
   check_gemm_args("gemm_bf16_fma", out, x, packed, bias);
-  if (x.size(0) == 0 || out.size(1) == 0) return;
-  fma::gemm(reinterpret_cast<uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(x.data_ptr()), x.size(0),
-            x.stride(0), reinterpret_cast<const uint16_t*>(packed.data_ptr()), out.size(1), packed.size(0),
-            packed.size(1), bias.has_value() ? bias->data_ptr<float>() : nullptr);
+  const int64_t m = x.size(0), n = out.size(1), k = x.size(1), panels = packed.size(0), lda = x.stride(0);
+  if (m == 0 || n == 0) return;
+  const c10::BFloat16* a = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
+  uint16_t* c = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const void* w = packed.data_ptr();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  // x widened once per 256-row block; +16 floats a row: rows 4 KiB apart would share L1 sets
+  const int64_t ldf = k + 16;
+  thread_local std::vector<float> buf;  // the calling thread's; the workers get its pointer
+  buf.resize(std::min(fma::kBlockRows, m) * ldf);
+  float* xf = buf.data();
+  for (int64_t r = 0; r < m; r += fma::kBlockRows) {
+    const int64_t rows = std::min(fma::kBlockRows, m - r);
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) batchgen_cpu::row_to_f32(a + (r + i) * lda, xf + i * ldf, k);
+    });
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      fma::block<true>(nullptr, c + r * n, n, xf, rows, ldf, w, n, k, p0, p1, bp);
+    });
+  }
 #else
   TORCH_CHECK(false, "gemm_bf16_fma: this build has no AVX2/FMA (check has_fma_bf16_gemm first)");
 #endif
