@@ -14,7 +14,8 @@ tiles are several times faster, so `auto` never picks it there.
 dtypes. bf16: oneDNN has no bf16 kernels there (its weight reorder refuses bf16) and F.linear's
 bf16 fallback runs at a fraction of the fp32 rate, so the bf16 weight is widened to fp32 in
 registers and multiplied with FMA. fp32: 6 x 16 register tiles over 16-column weight panels, which
-ran 10-40% above oneDNN's AVX2 fp32 GEMM at an fp32 model's shapes (`examples/bench_gemm_rows.py`).
+ran 11-54% above oneDNN's AVX2 fp32 GEMM at Qwen2.5-0.5B's shapes on a Zen 2 (most at decode row
+counts; `examples/bench_gemm_rows.py --dtype float32 --paths onednn,fma`). Both share one blocking.
 `auto` picks it for bf16 weights wherever oneDNN cannot take them, and for fp32 weights on CPUs
 with AVX2 and no AVX-512 (on AVX-512 CPUs fp32 stays on oneDNN's AVX-512 kernels).
 """
@@ -84,7 +85,7 @@ class Linear:
         if path == "fma" and f32:
             self._op = torch.ops.batchgen_cpu.gemm_f32_fma
             self.weight = torch.ops.batchgen_cpu.pack_f32_weight(weight.contiguous())
-            self._bias32 = bias.contiguous() if bias is not None else None
+            self._bias32 = bias.float().contiguous() if bias is not None else None
         elif path in ("dpbf16", "fma"):
             self._op = torch.ops.batchgen_cpu.gemm_bf16 if path == "dpbf16" else torch.ops.batchgen_cpu.gemm_bf16_fma
             self.weight = torch.ops.batchgen_cpu.pack_bf16_weight(weight.contiguous())
