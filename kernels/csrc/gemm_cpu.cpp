@@ -292,7 +292,8 @@ void block(float* c, uint16_t* c16, int64_t ldc, const float* a, int64_t m, int6
     for (int64_t k0 = 0; k0 < k; k0 += kc) {
       const int64_t kn = std::min(kc, k - k0);
       const char* b = wb + p * panel_bytes + k0 / kLine * 64;
-      const char* next = b + kc / kLine * 64;  // the next slice of this panel, or the next panel's first
+      // the next slice of this panel, else the next panel's first (null past the thread's run)
+      const char* next = k0 + kc < k ? b + kc / kLine * 64 : wb + (p + 1) * panel_bytes;
       if (next + kn / kLine * 64 > end) next = nullptr;
       t.first = k0 == 0;
       t.last = k0 + kn >= k;
