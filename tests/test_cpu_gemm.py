@@ -119,6 +119,20 @@ def test_f32_gemm_reads_strided_rows_and_leading_dims():
         ops.gemm_f32_fma(torch.empty(2, 40), torch.randn(2, 64), lin.weight, torch.randn(39))
 
 
+@needs_fma
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fma_ops_with_no_input_features_give_the_bias(bf16):
+    """K = 0 (no slices to walk): the output is the bias, or zeros (the slice count would divide by zero)."""
+    ops, dt = torch.ops.batchgen_cpu, torch.bfloat16 if bf16 else torch.float32
+    pack, gemm = (ops.pack_bf16_weight, ops.gemm_bf16_fma) if bf16 else (ops.pack_f32_weight, ops.gemm_f32_fma)
+    w, b, x = pack(torch.empty(20, 0, dtype=dt)), torch.randn(20), torch.empty(3, 0, dtype=dt)
+    out = torch.full((3, 20), 7.0, dtype=dt)
+    gemm(out, x, w, b)
+    torch.testing.assert_close(out.float(), b.to(dt).float().expand(3, 20))
+    gemm(out, x, w, None)
+    assert not out.any()
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_weights_it_cannot_take_stay_on_onednn(path):
     # fp32 model: fma has an fp32 GEMM, dpbf16 does not

@@ -396,6 +396,11 @@ void gemm_bf16_fma(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optiona
   check_gemm_args("gemm_bf16_fma", out, x, packed, bias);
   const int64_t m = x.size(0), n = out.size(1), k = x.size(1), panels = packed.size(0), lda = x.stride(0);
   if (m == 0 || n == 0) return;
+  if (k == 0) {  // no slices to walk: the bias alone
+    if (bias.has_value()) out.copy_(bias->view({1, n}).expand({m, n}));
+    else out.zero_();
+    return;
+  }
   const c10::BFloat16* a = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
   uint16_t* c = reinterpret_cast<uint16_t*>(out.data_ptr());
   const void* w = packed.data_ptr();
