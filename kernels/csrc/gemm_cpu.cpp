@@ -33,7 +33,7 @@
 
 namespace {
 
-constexpr int64_t kCols = 16;        // columns per packed block (one zmm of fp32 sums)
+constexpr int64_t kCols = 16;        // columns per packed block (one zmm, or two ymm, of fp32 sums)
 constexpr int64_t kPanel = 4;        // blocks per register tile: 64 columns
 constexpr int kRows = 6;             // rows per register tile: 6 x 4 accumulators
 constexpr int64_t kChunkPairs = 1024;  // k pairs per L2 chunk of a panel (4 x 1024 x 64 B = 256 KiB)
@@ -183,7 +183,7 @@ void rows(const uint16_t* a, int64_t m, int64_t lda, const uint16_t* b, int64_t 
 namespace fma {
 
 constexpr int kRows = 6;
-constexpr int64_t kCols = 16, kSliceBytes = 16384, kBlockRows = 256;
+constexpr int64_t kSliceBytes = 16384, kBlockRows = 256;  // columns per panel: kCols (16), as above
 
 inline __m256i lanes_below(int n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -286,6 +286,9 @@ void block(float* c, uint16_t* c16, int64_t ldc, const float* a, int64_t m, int6
   const int64_t panel_bytes = k / kLine * 64;
   const char* end = wb + p1 * panel_bytes;
   std::vector<float> sums(BF16 ? kBlockRows * kCols : 0);
+  // ceil(m / 6) tiles of near-equal height (32 rows: 6, 6, 5, 5, 5, 5, not 6 x 5 + 2): a tile of
+  // few rows has too few accumulators to cover the FMA latency.
+  const int64_t tiles = (m + kRows - 1) / kRows, base = m / tiles, taller = m % tiles;
   for (int64_t p = p0; p < p1; ++p) {
     Tile t{BF16 ? sums.data() : c + p * kCols, BF16 ? kCols : ldc, BF16 ? c16 + p * kCols : nullptr, ldc,
            bias ? bias + p * kCols : nullptr, static_cast<int>(std::min(kCols, n - p * kCols)), true, false};
@@ -297,9 +300,6 @@ void block(float* c, uint16_t* c16, int64_t ldc, const float* a, int64_t m, int6
       if (next + kn / kLine * 64 > end) next = nullptr;
       t.first = k0 == 0;
       t.last = k0 + kn >= k;
-      // ceil(m / 6) tiles of near-equal height (32 rows: 6, 6, 5, 5, 5, 5, not 6 x 5 + 2): a tile
-      // of few rows has too few accumulators to cover the FMA latency.
-      const int64_t tiles = (m + kRows - 1) / kRows, base = m / tiles, taller = m % tiles;
       for (int64_t i = 0, r = 0; i < tiles; ++i) {
         const int64_t rows = base + (i < taller);
         Tile tr = t;
@@ -324,21 +324,27 @@ void block(float* c, uint16_t* c16, int64_t ldc, const float* a, int64_t m, int6
 }  // namespace fma
 #endif  // BATCHGEN_FMA
 
+// out = the bias in every row (zeros without one): a GEMM with K = 0.
+void bias_only(at::Tensor& out, const c10::optional<at::Tensor>& bias) {
+  if (bias.has_value()) out.copy_(bias->view({1, out.size(1)}).expand_as(out));
+  else out.zero_();
+}
+
 // w [N, K] fp32 -> [ceil(N / 16), K, 16]: panel p, row k holds w[16p + j, k] for j = 0..15. Columns
 // past N are zero.
 at::Tensor pack_f32_weight(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "pack_f32_weight: a 2-D float32 weight");
-  const int64_t n = w.size(0), k = w.size(1), panels = (n + 15) / 16;
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + kCols - 1) / kCols;
   auto src = w.contiguous();
-  auto out = w.new_zeros({panels, k, 16});
+  auto out = w.new_zeros({panels, k, kCols});
   const float* s = src.data_ptr<float>();
   float* d = out.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p)
-      for (int64_t j = 0; j < std::min<int64_t>(16, n - p * 16); ++j) {
-        const float* row = s + (p * 16 + j) * k;
-        float* dst = d + p * k * 16 + j;
-        for (int64_t kk = 0; kk < k; ++kk) dst[kk * 16] = row[kk];
+      for (int64_t j = 0; j < std::min(kCols, n - p * kCols); ++j) {
+        const float* row = s + (p * kCols + j) * k;
+        float* dst = d + p * k * kCols + j;
+        for (int64_t kk = 0; kk < k; ++kk) dst[kk * kCols] = row[kk];
       }
   });
   return out;
@@ -349,20 +355,16 @@ at::Tensor pack_f32_weight(at::Tensor w) {
 void gemm_f32_fma(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
 #ifdef BATCHGEN_FMA
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "gemm_f32_fma: x [M, K] fp32 rows");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 16 && packed.scalar_type() == at::kFloat &&
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.scalar_type() == at::kFloat &&
                   packed.is_contiguous(), "gemm_f32_fma: a weight from pack_f32_weight");
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1), panels = packed.size(0);
   TORCH_CHECK(k == packed.size(1), "gemm_f32_fma: x has ", k, " features, the weight ", packed.size(1));
   TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == m && out.scalar_type() == at::kFloat &&
-                  (n + 15) / 16 == panels, "gemm_f32_fma: out [M, N] fp32 for this weight");
+                  (n + kCols - 1) / kCols == panels, "gemm_f32_fma: out [M, N] fp32 for this weight");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous()),
               "gemm_f32_fma: bias fp32 [N]");
   if (m == 0 || n == 0) return;
-  if (k == 0) {
-    if (bias.has_value()) out.copy_(bias->view({1, n}).expand({m, n}));
-    else out.zero_();
-    return;
-  }
+  if (k == 0) return bias_only(out, bias);  // no slices to walk
   const float* a = x.data_ptr<float>();
   const float* w = packed.data_ptr<float>();
   float* c = out.data_ptr<float>();
@@ -396,11 +398,7 @@ void gemm_bf16_fma(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optiona
   check_gemm_args("gemm_bf16_fma", out, x, packed, bias);
   const int64_t m = x.size(0), n = out.size(1), k = x.size(1), panels = packed.size(0), lda = x.stride(0);
   if (m == 0 || n == 0) return;
-  if (k == 0) {  // no slices to walk: the bias alone
-    if (bias.has_value()) out.copy_(bias->view({1, n}).expand({m, n}));
-    else out.zero_();
-    return;
-  }
+  if (k == 0) return bias_only(out, bias);  // no slices to walk
   const c10::BFloat16* a = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
   uint16_t* c = reinterpret_cast<uint16_t*>(out.data_ptr());
   const void* w = packed.data_ptr();

@@ -82,13 +82,13 @@ class Linear:
         if path == "onednn" and cpu and weight.dtype == torch.bfloat16 and not onednn_bf16_available():
             path = "fma" if packable and fma_available() else "plain"  # oneDNN refuses bf16 here
         self.path = path
-        if path == "fma" and f32:
-            self._op = torch.ops.batchgen_cpu.gemm_f32_fma
-            self.weight = torch.ops.batchgen_cpu.pack_f32_weight(weight.contiguous())
-            self._bias32 = bias.float().contiguous() if bias is not None else None
-        elif path in ("dpbf16", "fma"):
-            self._op = torch.ops.batchgen_cpu.gemm_bf16 if path == "dpbf16" else torch.ops.batchgen_cpu.gemm_bf16_fma
-            self.weight = torch.ops.batchgen_cpu.pack_bf16_weight(weight.contiguous())
+        if path in ("dpbf16", "fma"):
+            ops = torch.ops.batchgen_cpu
+            if f32:  # fma's fp32 GEMM
+                self._op, self.weight = ops.gemm_f32_fma, ops.pack_f32_weight(weight.contiguous())
+            else:
+                self._op = ops.gemm_bf16 if path == "dpbf16" else ops.gemm_bf16_fma
+                self.weight = ops.pack_bf16_weight(weight.contiguous())
             self._bias32 = bias.float().contiguous() if bias is not None else None
         elif path == "onednn" and cpu:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
