@@ -203,3 +203,43 @@ def test_auto_takes_fma_where_onednn_has_no_bf16(monkeypatch):
     monkeypatch.setattr(linear, "fma_available", lambda: False)
     with pytest.raises(ConfigError, match="engine.linear_path: fma"):
         build.choose_backend(EngineSpec(linear_path="fma"), cpu, torch.bfloat16, torch.bfloat16)
+
+
+@needs_op
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+# I: one 64-column tile pair, a last tile of one gate/up pair (I % 32 == 16); K over one L2 chunk;
+# M: 1, a 6-row tail, many tiles; with and without bias.
+@pytest.mark.parametrize("inter,k,m,bias", [(32, 64, 1, False), (48, 4100, 13, True), (2240, 1536, 37, True),
+                                           (96, 128, 300, False)])
+def test_gated_gemm_equals_gemm_then_activation(act, inter, k, m, bias):
+    """gemm_bf16's gated epilogue gives what the plain GEMM followed by silu_mul / gelu_tanh_mul gives
+    (the same fp32 sums rounded to bf16, the same activation), up to one bf16 step where -ffast-math
+    orders the activation's products differently."""
+    from batchgen.kernels import cpu_attention as ops
+
+    g = torch.Generator().manual_seed(inter + k + m)
+    w = (torch.randn(2 * inter, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(2 * inter, generator=g).bfloat16() if bias else None
+    x = torch.randn(m, k, generator=g).bfloat16()
+    plain, fused = Linear(w, b, "dpbf16"), Linear(w, b, "dpbf16", gated=act)
+    assert plain.fused_act is None and fused.fused_act == act
+    want = (ops.silu_mul if act == "silu" else ops.gelu_tanh_mul)(plain(x))
+    got = fused(x)
+    assert got.shape == (m, inter) and got.dtype == torch.bfloat16
+    differ = got != want
+    assert int(differ.sum()) <= max(2, got.numel() // 1000), f"{int(differ.sum())} of {got.numel()} values differ"
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_gated_weights_the_epilogue_cannot_take_keep_the_plain_output():
+    # fp32 weights, or I not a multiple of 16: the caller applies the activation to [.., 2I]
+    assert Linear(torch.randn(64, 32), None, "fma" if linear.fma_available() else "plain", gated="silu").fused_act is None
+    w = (torch.randn(2 * 24, 32) * 0.05).bfloat16()
+    lin = Linear(w, None, "dpbf16", gated="silu")
+    assert lin.fused_act is None and lin(torch.randn(3, 32).bfloat16()).shape == (3, 48)
+
+
+def test_interleave_gate_up_alternates_16_row_blocks():
+    t = torch.arange(64).view(64, 1)
+    got = linear.interleave_gate_up(t).view(-1).tolist()
+    assert got == list(range(0, 16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))

@@ -83,45 +83,8 @@ void rope_impl(T* x, const T* cos, const T* sin, int64_t n, int64_t heads, int64
 }
 
 // gate_up [n, 2 * inter] -> out [n, inter] = act(gate) * up, act SiLU or GELU-tanh (Gemma).
-#ifdef __AVX512F__
-// silu(g) * u for 16 lanes: g * sigmoid(g), sigmoid through exp(-|g|) and a refined reciprocal.
-// libmvec's exp plus a true division made this op compute-bound; a polynomial and a refined
-// reciprocal keep it memory-bound.
-// exp(x), x <= 0: 2^k * p(r) with x = k ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial
-// (relative error < 3e-8 on that range, below fp32's half-ulp).
-inline __m512 exp_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145752f), x);
-  const __m512 rr = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, k);
-}
-
-inline __m512 sigmoid16(__m512 x) {
-  const __m512 e = exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));  // exp(-|x|) in (0, 1]
-  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), e);
-  __m512 inv = _mm512_rcp14_ps(den);  // 14 bits, then one Newton step: ~1 ulp
-  inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
-  // sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) for x < 0.
-  return _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), inv, e);
-}
-
-inline __m512 silu16(__m512 g) { return _mm512_mul_ps(g, sigmoid16(g)); }
-
-// gelu_tanh(g) = 0.5 g (1 + tanh(z)) = g sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3).
-inline __m512 gelu_tanh16(__m512 g) {
-  const __m512 g2 = _mm512_mul_ps(g, g);
-  const __m512 inner = _mm512_mul_ps(g, _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g2, _mm512_set1_ps(1.f)));
-  return _mm512_mul_ps(g, sigmoid16(_mm512_mul_ps(_mm512_set1_ps(2.f * 0.7978845608f), inner)));
-}
-#endif
+// The AVX-512 activations (silu16, gelu_tanh16) are in cpu_common.h: the dpbf16 GEMM's gate/up epilogue
+// computes the same ones.
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 // The same for 8 lanes on AVX2 CPUs (no scalef or rcp14: 2^k through the exponent bits, and a

@@ -97,7 +97,13 @@ struct Out {
   const float* bias;
   int last_cols;    // valid columns of the tile's last block (16 unless at N's end)
   bool first, last;
+  int act;          // 0: plain; 1 / 2: gated (blocks alternate gate, up): c gets silu / gelu_tanh(gate) * up
 };
+
+// Round to bf16 and back, as a gate/up output stored in bf16 would be read again.
+inline __m512 bf16_round(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
 
 template <int MR, int NB>
 inline void tile(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t bstride, int64_t kp_n, const Out& o,
@@ -120,6 +126,21 @@ inline void tile(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t bstr
     }
   }
   for (; done < pf.lines; ++done) pf.line(done);
+  if constexpr (NB % 2 == 0) {
+    if (o.last && o.act) {  // gate block j, up block j + 1 -> 16 output columns; the pair's bias first
+      batchgen_cpu::FlushDenormals ftz;  // as silu_mul / gelu_tanh_mul run
+      for (int j = 0; j < NB; j += 2) {
+        const __m512 bg = o.bias ? _mm512_loadu_ps(o.bias + j * kCols) : _mm512_setzero_ps();
+        const __m512 bu = o.bias ? _mm512_loadu_ps(o.bias + (j + 1) * kCols) : _mm512_setzero_ps();
+        for (int i = 0; i < MR; ++i) {
+          const __m512 g = bf16_round(_mm512_add_ps(acc[i][j], bg)), u = bf16_round(_mm512_add_ps(acc[i][j + 1], bu));
+          const __m512 v = _mm512_mul_ps(o.act == 1 ? batchgen_cpu::silu16(g) : batchgen_cpu::gelu_tanh16(g), u);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.c + i * o.ldc + j / 2 * kCols), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+      }
+      return;
+    }
+  }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NB; ++j) {
       __m512 v = acc[i][j];
@@ -379,13 +400,15 @@ void gemm_f32_fma(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional
 #endif
 }
 
+// gated: out has half the weight's columns (gemm_bf16's act).
 void check_gemm_args(const char* op, const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-                     const c10::optional<at::Tensor>& bias) {
+                     const c10::optional<at::Tensor>& bias, bool gated = false) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, op, ": x [M, K] bf16 rows");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kCols && packed.size(3) == 2 && packed.is_contiguous(),
               op, ": a weight from pack_bf16_weight");
-  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), kp = packed.size(1);
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1) * (gated ? 2 : 1), kp = packed.size(1);
   TORCH_CHECK(k == 2 * kp, op, ": x has ", k, " features, the weight ", 2 * kp);
+  TORCH_CHECK(!gated || n % (2 * kCols) == 0, op, ": a gated GEMM needs whole 16-column gate and up blocks");
   TORCH_CHECK(out.is_contiguous() && out.size(0) == m && out.scalar_type() == at::kBFloat16 &&
                   (n + kCols - 1) / kCols == packed.size(0), op, ": out [M, N] bf16 for this weight");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous()),
@@ -423,11 +446,14 @@ void gemm_bf16_fma(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optiona
 }
 
 // out [M, N] bf16 (contiguous) = x [M, K] bf16 (unit column stride) @ W.T + bias (fp32 [N] or none),
-// W packed by pack_bf16_weight.
-void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
+// W packed by pack_bf16_weight. act 1 (SiLU) or 2 (GELU-tanh): W's 16-row blocks alternate gate and
+// up (and so does the bias), and out [M, N / 2] = act(gate) * up, the same values silu_mul /
+// gelu_tanh_mul give on the plain GEMM's bf16 output, without writing and re-reading it.
+void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, int64_t act) {
 #ifdef BATCHGEN_DPBF16
-  check_gemm_args("gemm_bf16", out, x, packed, bias);
-  const int64_t m = x.size(0), n = out.size(1), kp = packed.size(1);
+  TORCH_CHECK(act >= 0 && act <= 2, "gemm_bf16: act is 0 (none), 1 (silu) or 2 (gelu_tanh), got ", act);
+  check_gemm_args("gemm_bf16", out, x, packed, bias, act != 0);
+  const int64_t m = x.size(0), n = out.size(1) * (act ? 2 : 1), kp = packed.size(1);
   if (m == 0 || n == 0) return;
   const uint16_t* a = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
@@ -451,8 +477,8 @@ void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at
           pf.gap = bstride * 2;
           pf.lines = pf.run * std::min<int64_t>(kPanel, nblk - np * kPanel);
         }
-        Out o{c + blk0 * kCols, n, part.data(), bp ? bp + blk0 * kCols : nullptr, static_cast<int>(cols),
-              ch == 0, ch == chunks - 1};
+        Out o{c + blk0 * kCols / (act ? 2 : 1), act ? n / 2 : n, part.data(), bp ? bp + blk0 * kCols : nullptr,
+              static_cast<int>(cols), ch == 0, ch == chunks - 1, static_cast<int>(act)};
         const uint16_t* ak = a + k0 * 2;
         const uint16_t* wk = w + blk0 * bstride + k0 * 32;
         switch (nb) {
@@ -475,7 +501,7 @@ TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
   m.def("has_dpbf16_gemm() -> bool", &has_dpbf16_gemm);
   m.def("has_fma_bf16_gemm() -> bool", &has_fma_bf16_gemm);
   m.def("pack_bf16_weight(Tensor w) -> Tensor", &pack_bf16_weight);
-  m.def("gemm_bf16(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()", &gemm_bf16);
+  m.def("gemm_bf16(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, int act=0) -> ()", &gemm_bf16);
   m.def("gemm_bf16_fma(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()", &gemm_bf16_fma);
   m.def("pack_f32_weight(Tensor w) -> Tensor", &pack_f32_weight);
   m.def("gemm_f32_fma(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()", &gemm_f32_fma);

@@ -65,13 +65,32 @@ def dpbf16_preferred() -> bool:
     return "amx_bf16" not in cpu_flags() and dpbf16_available()
 
 
-class Linear:
-    """y = x @ W.T (+ b), with the weight packed once for the chosen path."""
+# gate/up activations the dpbf16 GEMM can apply in its epilogue (the op's `act`)
+GATED_ACTS = {"silu": 1, "gelu_tanh": 2}
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, path: str, batch_hint: int = 256) -> None:
+
+def interleave_gate_up(t: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """[2I, ...] (gate rows, then up rows) -> the same rows as alternating blocks of `block` gate and
+    `block` up rows: the layout of gemm_bf16's gated epilogue (I a multiple of `block`)."""
+    gate, up = t.chunk(2, dim=0)
+    rest = t.shape[1:]
+    return torch.stack([gate.reshape(-1, block, *rest), up.reshape(-1, block, *rest)], 1).reshape(t.shape)
+
+
+class Linear:
+    """y = x @ W.T (+ b), with the weight packed once for the chosen path.
+
+    gated ("silu" or "gelu_tanh"): W is a fused gate/up weight [2I, K] (gate rows first). Where the
+    dpbf16 GEMM takes it (I a multiple of 16), the call returns act(gate) * up [.., I] from the
+    GEMM's epilogue and `fused_act` is set; elsewhere it returns the [.., 2I] gate/up output as
+    usual and the caller applies the activation."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, path: str, batch_hint: int = 256,
+                 gated: str | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.path = path
+        self.fused_act = None
         cpu = weight.device.type == "cpu"
         packable = cpu and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0
         f32 = cpu and weight.dtype == torch.float32
@@ -86,6 +105,12 @@ class Linear:
             ops = torch.ops.batchgen_cpu
             if f32:  # fma's fp32 GEMM
                 self._op, self.weight = ops.gemm_f32_fma, ops.pack_f32_weight(weight.contiguous())
+            elif path == "dpbf16" and gated in GATED_ACTS and self.out_features % 32 == 0:
+                act = GATED_ACTS[gated]
+                self.fused_act = gated
+                self._op = lambda out, x, w, b: ops.gemm_bf16(out, x, w, b, act)
+                self.weight = ops.pack_bf16_weight(interleave_gate_up(weight).contiguous())
+                bias = interleave_gate_up(bias) if bias is not None else None
             else:
                 self._op = ops.gemm_bf16 if path == "dpbf16" else ops.gemm_bf16_fma
                 self.weight = ops.pack_bf16_weight(weight.contiguous())
@@ -102,9 +127,10 @@ class Linear:
             dt = self.weight.dtype  # fp32 (gemm_f32_fma) or bf16 (packed as bf16)
             if x2.stride(-1) != 1 or x2.dtype != dt:
                 x2 = x2.to(dt).contiguous()
-            out = x2.new_empty(x2.shape[0], self.out_features)
+            cols = self.out_features // 2 if self.fused_act else self.out_features
+            out = x2.new_empty(x2.shape[0], cols)
             self._op(out, x2, self.weight, self._bias32)
-            return out.view(*x.shape[:-1], self.out_features)
+            return out.view(*x.shape[:-1], cols)
         if self.path == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -152,7 +152,11 @@ class CausalLM:
                 return t(name, [size])
             return (1.0 + t(name, [size]).float()).to(dtype)
 
-        def lin(prefix: str, parts: list[tuple[str, int]], cols: int, fused: str | None = None) -> Linear:
+        # the gate/up activation, for GEMMs that apply it in their epilogue (Linear's gated)
+        gated = "silu" if s.hidden_act == "silu" else "gelu_tanh" if s.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh") else None
+
+        def lin(prefix: str, parts: list[tuple[str, int]], cols: int, fused: str | None = None,
+                gated: str | None = None) -> Linear:
             """The parts' weights stacked by rows, or the checkpoint's own fused matrix (Phi-3's
             qkv_proj and gate_up_proj) where it has one."""
             if fused is not None and w.has(f"{prefix}{fused}.weight"):
@@ -161,11 +165,12 @@ class CausalLM:
             bias = None
             if w.has(f"{prefix}{parts[0][0]}.bias"):
                 bias = torch.cat([t(f"{prefix}{n}.bias", [rows]) for n, rows in parts], 0)
-            return Linear(weight, bias, linear_path)
+            return Linear(weight, bias, linear_path, gated=gated)
 
         def mlp(p: str, i: int) -> DenseMLP | SparseMoE:
             if i not in s.moe_layers:
-                return DenseMLP(lin(p + "mlp.", [("gate_proj", inter), ("up_proj", inter)], h, fused="gate_up_proj"),
+                return DenseMLP(lin(p + "mlp.", [("gate_proj", inter), ("up_proj", inter)], h, fused="gate_up_proj",
+                                    gated=gated),
                                 lin(p + "mlp.", [("down_proj", h)], inter))
             return self._sparse_moe(w, t, lin, p, linear_path)
 

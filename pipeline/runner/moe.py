@@ -40,12 +40,14 @@ class DenseMLP:
     down: Linear
 
     def __call__(self, x: torch.Tensor, silu_mul) -> torch.Tensor:
+        """silu_mul: the activation over the gate/up output, unless gate_up applies it itself (fused_act)."""
+        act = (lambda t: t) if self.gate_up.fused_act else silu_mul
         n = x.shape[0]
         if n <= CPU_MLP_TILE * 3 // 2 or self.gate_up.path == "plain":
-            return self.down(silu_mul(self.gate_up(x)))
+            return self.down(act(self.gate_up(x)))
         out = x.new_empty(n, self.down.out_features)
         for i in range(0, n, CPU_MLP_TILE):
-            out[i : i + CPU_MLP_TILE] = self.down(silu_mul(self.gate_up(x[i : i + CPU_MLP_TILE])))
+            out[i : i + CPU_MLP_TILE] = self.down(act(self.gate_up(x[i : i + CPU_MLP_TILE])))
         return out
 
     def num_weights(self) -> int:
