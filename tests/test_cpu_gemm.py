@@ -243,3 +243,50 @@ def test_interleave_gate_up_alternates_16_row_blocks():
     t = torch.arange(64).view(64, 1)
     got = linear.interleave_gate_up(t).view(-1).tolist()
     assert got == list(range(0, 16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))
+
+
+@pytest.mark.parametrize("path,dtype", [pytest.param("dpbf16", torch.bfloat16, marks=needs_op),
+                                        pytest.param("fma", torch.bfloat16, marks=needs_fma),
+                                        pytest.param("fma", torch.float32, marks=needs_fma)])
+def test_out_rows_are_written_in_place(path, dtype):
+    """Linear(x, out=rows of a larger tensor): the packed GEMM writes those rows themselves (no
+    copy), with the same values as the call without out; an out it cannot write into (another
+    dtype, strided) still gets the values, by a copy."""
+    g = torch.Generator().manual_seed(11)
+    lin = Linear((torch.randn(80, 96, generator=g) * 0.1).to(dtype), None, path)
+    x = torch.randn(13, 96, generator=g).to(dtype)
+    want = lin(x)
+    big = torch.full((20, 80), float("nan"), dtype=dtype)
+    got = lin(x, out=big[4:17])
+    assert got.data_ptr() == big[4:17].data_ptr()
+    assert torch.equal(big[4:17], want)
+    assert big[:4].isnan().all() and big[17:].isnan().all()  # nothing outside its rows
+    other = torch.zeros(13, 80, dtype=torch.float64)
+    assert lin(x, out=other) is other and torch.equal(other, want.double())
+    strided = torch.zeros(80, 13, dtype=dtype).t()
+    lin(x, out=strided)
+    assert torch.equal(strided, want)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("rows", [385, 600])  # over the untiled limit: a ragged last tile
+def test_dense_mlp_tiles_write_the_output_rows(path, rows):
+    """The packed MLP in 256-row tiles (each tile's down GEMM writing its rows of the output)
+    gives exactly the untiled call's values: each row's sums do not depend on the other rows."""
+    from batchgen.kernels import cpu_attention as ca
+    from batchgen.runner.moe import DenseMLP
+
+    g = torch.Generator().manual_seed(12)
+    gate_up = (torch.randn(2 * 96, 64, generator=g) * 0.1).bfloat16()
+    down = (torch.randn(64, 96, generator=g) * 0.1).bfloat16()
+    mlp = DenseMLP(Linear(gate_up, None, path, gated="silu"), Linear(down, None, path))
+    x = torch.randn(rows, 64, generator=g).bfloat16()
+    act = ca.silu_mul
+    inner = mlp.gate_up(x)
+    whole = mlp.down(inner if mlp.gate_up.fused_act else act(inner))
+    op, written = mlp.down._op, []
+    mlp.down._op = lambda out, *a: written.append((out.data_ptr(), out.shape[0])) or op(out, *a)
+    got = mlp(x, act)
+    assert torch.equal(got, whole)
+    row_bytes = got.stride(0) * got.element_size()
+    assert written == [(got.data_ptr() + i * row_bytes, min(256, rows - i)) for i in range(0, rows, 256)]

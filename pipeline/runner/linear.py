@@ -121,16 +121,26 @@ class Linear:
             self.path = "plain"
             self.weight = weight.contiguous()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out: where to write y (e.g. rows of a larger output). The packed paths write into it when
+        it is contiguous and of the weight's dtype; otherwise y is copied into it."""
         if self.path in ("dpbf16", "fma"):
             x2 = x.reshape(-1, x.shape[-1])
             dt = self.weight.dtype  # fp32 (gemm_f32_fma) or bf16 (packed as bf16)
             if x2.stride(-1) != 1 or x2.dtype != dt:
                 x2 = x2.to(dt).contiguous()
             cols = self.out_features // 2 if self.fused_act else self.out_features
-            out = x2.new_empty(x2.shape[0], cols)
-            self._op(out, x2, self.weight, self._bias32)
-            return out.view(*x.shape[:-1], cols)
+            direct = out is not None and out.shape == (x2.shape[0], cols) and out.dtype == dt and out.is_contiguous()
+            y = out if direct else x2.new_empty(x2.shape[0], cols)
+            self._op(y, x2, self.weight, self._bias32)
+            if out is not None and not direct:
+                return out.copy_(y.view(out.shape))
+            return y.view(*x.shape[:-1], cols)
         if self.path == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        if out is None:
+            return y
+        out.copy_(y)
+        return out

@@ -46,8 +46,8 @@ class DenseMLP:
         if n <= CPU_MLP_TILE * 3 // 2 or self.gate_up.path == "plain":
             return self.down(act(self.gate_up(x)))
         out = x.new_empty(n, self.down.out_features)
-        for i in range(0, n, CPU_MLP_TILE):
-            out[i : i + CPU_MLP_TILE] = self.down(act(self.gate_up(x[i : i + CPU_MLP_TILE])))
+        for i in range(0, n, CPU_MLP_TILE):  # each tile's rows of out written by the down GEMM itself
+            self.down(act(self.gate_up(x[i : i + CPU_MLP_TILE])), out=out[i : i + CPU_MLP_TILE])
         return out
 
     def num_weights(self) -> int:
