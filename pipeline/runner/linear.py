@@ -133,14 +133,13 @@ class Linear:
             direct = out is not None and out.shape == (x2.shape[0], cols) and out.dtype == dt and out.is_contiguous()
             y = out if direct else x2.new_empty(x2.shape[0], cols)
             self._op(y, x2, self.weight, self._bias32)
-            if out is not None and not direct:
-                return out.copy_(y.view(out.shape))
-            return y.view(*x.shape[:-1], cols)
-        if self.path == "onednn":
+            y = y.view(*x.shape[:-1], cols)
+            if direct:
+                return y
+        elif self.path == "onednn":
             y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         else:
             y = F.linear(x, self.weight, self.bias)
         if out is None:
             return y
-        out.copy_(y)
-        return out
+        return out.copy_(y.reshape(out.shape))
