@@ -21,7 +21,11 @@ The workload (token ids) is built here and handed to both engines as a file, eac
 process one after the other: vLLM (single process, OMP_NUM_THREADS = the cores, tcmalloc and its
 venv's libiomp5 preloaded, VLLM_CPU_KVCACHE_SPACE=4, max_num_seqs 256, max_num_batched_tokens
 2048), then batchgen (its defaults). Greedy, EOS ignored, prompts as token ids, only generate()
-timed on both sides; load times and peak RSS are reported apart. A GGUF model is given to vLLM
+timed on both sides; load times and peak RSS are reported apart. With --repeat N each engine
+runs N times, in alternating order (vLLM first, then batchgen first, ...: a machine whose speed
+drifts during the row favours neither), and the row reports the median of the N pairs' ratios
+(each pair: the two runs next to each other), with every pair's ratio beside it, the median
+walls, the highest peak RSS and the median load times. A GGUF model is given to vLLM
 as batchgen's dequantised cache (config, tokenizer and weights of the run's dtype).
 """
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -102,6 +107,23 @@ def run(python: str, runner: str, spec: dict, env: dict) -> dict:
         raise RuntimeError(f"{python} run failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
 
 
+def alternate(repeat: int, run_vllm, run_batchgen) -> tuple[list[dict], list[dict]]:
+    """Each engine's results over `repeat` runs: vLLM first on even repeats, batchgen first on odd
+    ones, so pair i (vLLM run i, batchgen run i) ran next to each other."""
+    vs: list[dict] = []
+    bs: list[dict] = []
+    for rep in range(repeat):
+        for first_vllm in ((True, False) if rep % 2 == 0 else (False, True)):
+            (vs if first_vllm else bs).append(run_vllm() if first_vllm else run_batchgen())
+    return vs, bs
+
+
+def summarize(runs: list[dict]) -> dict:
+    """One engine's runs as one: median wall and load seconds, the highest peak RSS."""
+    return {"wall_s": statistics.median(r["wall_s"] for r in runs), "load_s": statistics.median(r["load_s"] for r in runs),
+            "output_tokens": runs[0]["output_tokens"], "peak_rss_bytes": max(r["peak_rss_bytes"] for r in runs)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", default="/tmp/venv-vllm/bin/python")
@@ -110,7 +132,10 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--output-cap", type=int, default=256)
     ap.add_argument("--dtype", default="float32,bfloat16")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each engine per dtype, alternating which goes first")
     args = ap.parse_args()
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat: at least 1, got {args.repeat}")
 
     from batchgen.models.loader import hf_view, load_tokenizer, resolve_model
     from batchgen.workload import cpu_info, sample_workload
@@ -127,19 +152,25 @@ def main() -> None:
         max_len = max(len(p) + n for p, n in zip(prompts, lens))
         venv = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=cores,
                     VLLM_TARGET_DEVICE="cpu", LD_PRELOAD=preloads(args.vllm_python))
-        v = run(args.vllm_python, VLLM_RUNNER, {"model": str(hf_view(source, dtype)), "dtype": dtype, "prompts": prompts,
-                                                "output_lens": lens, "max_model_len": max(2048, max_len)}, venv)
-        b = run(sys.executable, BATCHGEN_RUNNER, {"model_spec": args.model, "dtype": dtype, "prompts": prompts,
-                                                  "output_lens": lens}, dict(os.environ))
+        vspec = {"model": str(hf_view(source, dtype)), "dtype": dtype, "prompts": prompts, "output_lens": lens,
+                 "max_model_len": max(2048, max_len)}
+        bspec = {"model_spec": args.model, "dtype": dtype, "prompts": prompts, "output_lens": lens}
+        vs, bs = alternate(args.repeat, lambda: run(args.vllm_python, VLLM_RUNNER, vspec, venv),
+                           lambda: run(sys.executable, BATCHGEN_RUNNER, bspec, dict(os.environ)))
+        pairs = [rv["wall_s"] / rb["wall_s"] for rv, rb in zip(vs, bs)]  # batchgen's speed over vLLM's
+        v, b = summarize(vs), summarize(bs)
         row = {"model": Path(args.model).name, "workload": args.workload, "dtype": dtype, "requests": len(items),
                "prompt_tokens": sum(map(len, prompts)), "output_tokens": b["output_tokens"],
                "vllm_output_tok_s": round(v["output_tokens"] / v["wall_s"], 1),
                "batchgen_output_tok_s": round(b["output_tokens"] / b["wall_s"], 1),
                "vllm_wall_s": round(v["wall_s"], 2), "batchgen_wall_s": round(b["wall_s"], 2),
-               "ratio_batchgen_over_vllm": round(v["wall_s"] / b["wall_s"], 3),
+               "ratio_batchgen_over_vllm": round(statistics.median(pairs), 3),
                "vllm_peak_rss_gib": round(v["peak_rss_bytes"] / 2**30, 2),
                "batchgen_peak_rss_gib": round(b["peak_rss_bytes"] / 2**30, 2),
                "vllm_load_s": round(v["load_s"], 1), "batchgen_load_s": round(b["load_s"], 1)}
+        if args.repeat > 1:
+            row["repeats"] = args.repeat
+            row["pair_ratios"] = [round(r, 3) for r in pairs]
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(json.dumps({"results": rows}, indent=1))

@@ -7,8 +7,9 @@
 Each row's result line (compare_vllm.py's JSON) is appended to --log as soon as it is measured,
 so a cut-off pass keeps its rows, and `--skip-done` measures only the rows the log lacks.
 `--only 1.5b,smollm2` keeps the rows whose model name contains one of the words, `--rows 1,2,14`
-those rows of ROWS (numbered from 1; `--list` prints them). Nothing else
-should run on the machine meanwhile: both engines are timed in turn on the same cores.
+those rows of ROWS (numbered from 1; `--list` prints them), `--repeat N` runs each engine N times
+per row in alternating order and logs the median pair ratio (compare_vllm.py --repeat). Nothing
+else should run on the machine meanwhile: both engines are timed in turn on the same cores.
 """
 from __future__ import annotations
 
@@ -67,9 +68,12 @@ def render(rows: list[dict]) -> str:
             v, b = f"{r['vllm_wall_s']:.1f} s", f"{r['batchgen_wall_s']:.1f} s"
         else:
             v, b = f"{r['vllm_output_tok_s']:,.1f} tok/s", f"{r['batchgen_output_tok_s']:,.1f} tok/s"
+        ratio = f"**{r['ratio_batchgen_over_vllm']:.2f}**"
+        if r.get("pair_ratios"):  # --repeat: the median, then each alternating pair's ratio
+            ratio += " (" + ", ".join(f"{x:.2f}" for x in r["pair_ratios"]) + ")"
         out.append(f"| {name} | {r['workload']} | {DTYPE.get(r['dtype'], r['dtype'])} | {r['requests']} "
                    f"| {r['prompt_tokens']:,} / {r['output_tokens']:,} | {v} | {b} "
-                   f"| **{r['ratio_batchgen_over_vllm']:.2f}** | {r['vllm_peak_rss_gib']} / {r['batchgen_peak_rss_gib']} "
+                   f"| {ratio} | {r['vllm_peak_rss_gib']} / {r['batchgen_peak_rss_gib']} "
                    f"| {r['vllm_load_s']} / {r['batchgen_load_s']} |")
     return "\n".join(out)
 
@@ -83,6 +87,7 @@ def main() -> None:
     ap.add_argument("--list", action="store_true", help="print the numbered rows and exit")
     ap.add_argument("--skip-done", action="store_true", help="skip rows the log already holds")
     ap.add_argument("--render", metavar="LOG", help="print the markdown table of LOG's rows and exit")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each engine per row (alternating order; median ratio)")
     args = ap.parse_args()
     if args.render:
         print(render(logged(Path(args.render))))
@@ -113,7 +118,7 @@ def main() -> None:
         if model != "default" and not Path(path).is_dir():
             raise SystemExit(f"{path}: no such model folder (make it with examples/make_model_ladder.py --out {args.ladder})")
         cmd = [sys.executable, str(script), "--model", path, "--workload", workload, "--num-prompts", str(n),
-               "--output-cap", str(cap), "--dtype", dtype]
+               "--output-cap", str(cap), "--dtype", dtype, "--repeat", str(args.repeat)]
         print("+", " ".join(cmd), flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         result = None

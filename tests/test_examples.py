@@ -1,0 +1,52 @@
+"""The benchmark scripts under examples/ that the README's tables come from: their pure parts."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import compare_vllm  # noqa: E402
+import run_ladder  # noqa: E402
+
+
+def test_repeats_alternate_which_engine_runs_first_and_pair_neighbours():
+    calls = []
+
+    def engine(name):
+        def run():
+            calls.append(name)
+            return {"wall_s": 10.0 + len(calls), "load_s": 1.0, "output_tokens": 5, "peak_rss_bytes": len(calls)}
+        return run
+
+    vs, bs = compare_vllm.alternate(4, engine("vllm"), engine("batchgen"))
+    assert calls == ["vllm", "batchgen", "batchgen", "vllm", "vllm", "batchgen", "batchgen", "vllm"]
+    # pair i: vLLM's and batchgen's i-th runs, which ran back to back
+    assert [v["wall_s"] for v in vs] == [11.0, 14.0, 15.0, 18.0]
+    assert [b["wall_s"] for b in bs] == [12.0, 13.0, 16.0, 17.0]
+    s = compare_vllm.summarize(vs)
+    assert s["wall_s"] == 14.5 and s["peak_rss_bytes"] == 8 and s["output_tokens"] == 5
+
+
+def test_one_repeat_runs_vllm_then_batchgen_once():
+    calls = []
+    vs, bs = compare_vllm.alternate(1, lambda: calls.append("v") or {"wall_s": 1.0},
+                                    lambda: calls.append("b") or {"wall_s": 2.0})
+    assert calls == ["v", "b"] and len(vs) == len(bs) == 1
+
+
+def _row(**kw):
+    row = {"model": "qwen2.5-0.5b", "workload": "decode-heavy", "dtype": "bfloat16", "requests": 128,
+           "prompt_tokens": 16107, "output_tokens": 24353, "vllm_output_tok_s": 405.7, "batchgen_output_tok_s": 398.7,
+           "vllm_wall_s": 60.0, "batchgen_wall_s": 61.1, "ratio_batchgen_over_vllm": 0.982, "vllm_peak_rss_gib": 5.91,
+           "batchgen_peak_rss_gib": 1.85, "vllm_load_s": 76.8, "batchgen_load_s": 7.8}
+    row.update(kw)
+    return row
+
+
+def test_ladder_table_shows_the_median_and_each_pair_ratio_of_repeated_rows():
+    table = run_ladder.render([_row(), _row(ratio_batchgen_over_vllm=1.04, repeats=3, pair_ratios=[0.98, 1.09, 1.04]),
+                               _row(workload="prefill-only")])
+    lines = table.splitlines()
+    assert len(lines) == 5
+    assert "| **0.98** |" in lines[2] and "405.7 tok/s" in lines[2]
+    assert "| **1.04** (0.98, 1.09, 1.04) |" in lines[3]
+    assert "| 60.0 s | 61.1 s |" in lines[4]  # prefill-only rows report wall seconds
