@@ -112,9 +112,10 @@ def alternate(repeat: int, run_vllm, run_batchgen) -> tuple[list[dict], list[dic
     ones, so pair i (vLLM run i, batchgen run i) ran next to each other."""
     vs: list[dict] = []
     bs: list[dict] = []
+    turns = ((vs, run_vllm), (bs, run_batchgen))
     for rep in range(repeat):
-        for first_vllm in ((True, False) if rep % 2 == 0 else (False, True)):
-            (vs if first_vllm else bs).append(run_vllm() if first_vllm else run_batchgen())
+        for results, run_engine in (turns if rep % 2 == 0 else turns[::-1]):
+            results.append(run_engine())
     return vs, bs
 
 
