@@ -513,3 +513,46 @@ def test_bf16_whole_prompts_through_sdpa_and_later_chunks_through_the_op(family_
             if ta != tb:
                 assert ta in top_b and tb in top_a
                 break
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_packed_weights_live_in_2mib_page_arenas(monkeypatch):
+    """Packed CPU weights are copied into arenas advised MADV_HUGEPAGE (hostmem.py): the same
+    values and outputs, 4 KiB-aligned neighbours in one mapping, a weight larger than an arena in
+    its own, small tensors and BATCHGEN_WEIGHT_HUGEPAGES=0 left where torch put them."""
+    import gc
+
+    from batchgen.runner import hostmem, linear
+    from batchgen.runner.linear import Linear
+
+    monkeypatch.setattr(hostmem, "ARENA_BYTES", 8 << 20)
+    monkeypatch.setattr(hostmem, "_current", [])
+    g = torch.Generator().manual_seed(5)
+    a, b = (torch.randn(1 << 18, generator=g) for _ in range(2))  # 1 MiB each
+    ha, hb = hostmem.on_huge_pages(a), hostmem.on_huge_pages(b)
+    assert torch.equal(ha, a) and torch.equal(hb, b) and ha.data_ptr() != a.data_ptr()
+    assert ha.data_ptr() % (2 << 20) == 0 and hb.data_ptr() == ha.data_ptr() + (1 << 20), "one arena, in order"
+    assert "hg" in _vm_flags(ha.data_ptr()) and _mapping(ha.data_ptr())["perms"].endswith("p")
+    big = torch.randn(3 << 20, generator=g)  # 12 MiB: an arena of its own; the current one stays
+    hbig = hostmem.on_huge_pages(big)
+    assert torch.equal(hbig, big) and "hg" in _vm_flags(hbig.data_ptr())
+    hc = hostmem.on_huge_pages(a)
+    assert hc.data_ptr() == hb.data_ptr() + (1 << 20)
+    small = torch.randn(1000)
+    assert hostmem.on_huge_pages(small) is small
+    # The arena outlives the tensors that made it, while any tensor in it lives.
+    want = hc.clone()
+    del ha, hb, hbig
+    gc.collect()
+    assert torch.equal(hc, want)
+
+    path = "dpbf16" if linear.dpbf16_available() else "fma" if linear.fma_available() else None
+    if path is None:
+        return
+    w, x = (torch.randn(1024, 1024, generator=g) * 0.05).bfloat16(), torch.randn(7, 1024, generator=g).bfloat16()
+    on = Linear(w, None, path)
+    assert "hg" in _vm_flags(on.weight.data_ptr())
+    monkeypatch.setenv("BATCHGEN_WEIGHT_HUGEPAGES", "0")
+    off = Linear(w, None, path)
+    assert "hg" not in _vm_flags(off.weight.data_ptr())
+    assert torch.equal(on(x), off(x))

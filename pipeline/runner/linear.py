@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..workload import cpu_flags
+from .hostmem import on_huge_pages
 
 
 def onednn_available() -> bool:
@@ -114,6 +115,7 @@ class Linear:
             else:
                 self._op = ops.gemm_bf16 if path == "dpbf16" else ops.gemm_bf16_fma
                 self.weight = ops.pack_bf16_weight(weight.contiguous())
+            self.weight = on_huge_pages(self.weight)
             self._bias32 = bias.float().contiguous() if bias is not None else None
         elif path == "onednn" and cpu:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
