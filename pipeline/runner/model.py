@@ -282,16 +282,17 @@ class CausalLM:
             h = h * torch.tensor(self.shape.embed_scale, dtype=h.dtype, device=h.device)
         return h
 
-    def _qkv_heads(self, layer: Layer, qkv: torch.Tensor, rotate):
+    def _qkv_heads(self, layer: Layer, qkv: torch.Tensor, rotate, norm=None):
         """q, k, v heads ([n, heads, head_dim] views where possible) from the fused QKV output,
-        q and k normed (Qwen3) and then rotated by rotate(t). Without q/k norms, q and k rotate
-        together: one set of elementwise ops over all their heads, the same arithmetic per element."""
+        q and k normed (Qwen3, Gemma 3: by norm(t, weight, eps), default self._norm) and then
+        rotated by rotate(t). Without q/k norms, q and k rotate together: one set of elementwise
+        ops over all their heads, the same arithmetic per element."""
         s = self.shape
         n = qkv.shape[0]
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         v = qkv[:, q_size + kv_size :].view(n, s.num_kv_heads, s.head_dim)
         if layer.q_norm is not None:
-            norm = self._norm
+            norm = norm or self._norm
             q = rotate(norm(qkv[:, :q_size].view(n, s.num_heads, s.head_dim), layer.q_norm, s.rms_eps))
             k = rotate(norm(qkv[:, q_size : q_size + kv_size].view(n, s.num_kv_heads, s.head_dim), layer.k_norm,
                             s.rms_eps))
@@ -316,12 +317,18 @@ class CausalLM:
         eps = s.rms_eps
         rope = [(cos[positions], sin[positions]) for cos, sin in self.rope]  # [num_tokens, head_dim]
         act = ops.silu_mul if s.hidden_act == "silu" else ops.gelu_tanh_mul
+
+        def head_norm(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+            # q/k norms per head through the C++ RMSNorm (one pass, fp32 inside, one rounding, as
+            # the other norms here), not six torch ops: [n, heads, head_dim] -> a contiguous copy.
+            rows, heads, dim = t.shape
+            return ops.add_rms_norm(t.reshape(rows * heads, dim), None, weight, eps).view(rows, heads, dim)
         h = self._embed(input_ids)  # [num_tokens, hidden], updated in place by the residual adds
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
         gathered = False
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             cos, sin = rope[layer.rope]
-            q, k, v = self._qkv_heads(layer, layer.qkv(x), lambda t: ops.rope_(t, cos, sin))
+            q, k, v = self._qkv_heads(layer, layer.qkv(x), lambda t: ops.rope_(t, cos, sin), head_norm)
             o = paged_attention(q, k, v, k_cache, v_cache, metas[layer.group], self.scale, s.attn_softcap)
             o = o.reshape(n, q_size)
             if i + 1 == len(self.layers) and sample_idx.shape[0] < n:
