@@ -290,3 +290,24 @@ def test_dense_mlp_tiles_write_the_output_rows(path, rows):
     assert torch.equal(got, whole)
     row_bytes = got.stride(0) * got.element_size()
     assert written == [(got.data_ptr() + i * row_bytes, min(256, rows - i)) for i in range(0, rows, 256)]
+
+
+@needs_op
+@pytest.mark.parametrize("rows,calls", [(384, [384]), (385, [256, 129]), (1000, [256, 256, 256, 232])])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dpbf16_runs_a_prefill_sized_call_in_256_row_blocks(rows, calls, bias):
+    """Over 384 rows (a prefill step's QKV or output projection) the dpbf16 Linear calls the
+    GEMM on 256-row blocks of x and of its output, with exactly the values of one call over all
+    rows (each row's sums do not depend on the other rows)."""
+    g = torch.Generator().manual_seed(13)
+    w = (torch.randn(200, 96, generator=g) * 0.1).bfloat16()
+    b = torch.randn(200, generator=g).bfloat16() if bias else None
+    lin = Linear(w, b, "dpbf16")
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    whole = torch.empty(rows, 200, dtype=torch.bfloat16)
+    torch.ops.batchgen_cpu.gemm_bf16(whole, x, lin.weight, lin._bias32, 0)
+    op, seen = lin._op, []
+    lin._op = lambda out, xs, *a: seen.append((out.shape[0], xs.shape[0])) or op(out, xs, *a)
+    got = lin(x)
+    assert seen == [(c, c) for c in calls]
+    assert torch.equal(got, whole)
