@@ -180,6 +180,25 @@ def test_prefix_cache_hits_give_identical_output(family_model):
     on.kv_manager.check_all_free()
 
 
+def test_prompts_admitted_in_one_step_share_the_prefix_computed_in_it(family_model):
+    """All prompts in the first step: the later ones take the shared 40-token prefix's two full
+    blocks from the first one's KV written in that same forward (not computed again), and every
+    greedy token equals the run without a prefix cache."""
+    _, model = family_model
+    shared = prompts(seed=1, lengths=(40,))[0]
+    ps = [shared + tail for tail in prompts(seed=2, lengths=(3, 7, 1, 12))]
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for backend in ("cpu", "torch"):
+        on = engine(model, prefix_caching=True, attention_backend=backend)
+        off = engine(model, prefix_caching=False, attention_backend=backend)
+        r_on, r_off = run(on, ps, sp), run(off, ps, sp)
+        assert on.scheduler.stats.num_steps == off.scheduler.stats.num_steps, "one first step admits all four"
+        assert {k: v.token_ids for k, v in r_on.items()} == {k: v.token_ids for k, v in r_off.items()}, backend
+        assert [r_on[(str(i), 0)].cached_tokens for i in range(4)] == [0, 32, 32, 32]
+        assert on.scheduler.stats.prefill_tokens == sum(map(len, ps)) - 3 * 32
+        on.kv_manager.check_all_free()
+
+
 def test_seeded_sampling_is_identical_in_different_batch_mixes(family_model):
     _, model = family_model
     ps = prompts(seed=3)

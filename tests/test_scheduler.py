@@ -151,6 +151,38 @@ def test_prefix_cache_reuses_full_blocks_and_refcounts_return_to_zero():
     assert s.kv.prefix_hit_rate() > 0
 
 
+def test_a_prefix_computed_in_this_step_is_a_hit_for_the_next_admission():
+    """a and b share 8 tokens (2 blocks of 4) and both fit the first step: b's hit is a's two
+    blocks, which a's forward writes before any attention of that step reads them."""
+    s = make(block_size=4, caching=True)
+    s.add_request(req("a", 13, max_tokens=2))
+    s.add_request(Request("b", list(range(10, 18)) + [99, 98, 97], SamplingParams(max_tokens=2, temperature=0),
+                          eos_token_ids=(EOS,)))
+    s.add_request(req("c", 13, max_tokens=2, first=200))
+    out = s.schedule()
+    a, b, c = out.seqs
+    assert (a.start_pos, len(a.token_ids)) == (0, 13)
+    assert (b.start_pos, len(b.token_ids)) == (8, 3) and b.block_table[:2] == a.block_table[:2]
+    assert (c.start_pos, len(c.token_ids)) == (0, 13), "another prefix: no hit"
+    assert s.requests["b"].num_cached_tokens == 8
+    s.update(out, RunnerOutput({r: SampledToken(7) for r in "abc"}))
+    run_all(s)
+    s.kv.pool.check_all_free()
+
+
+def test_only_blocks_the_step_fills_are_shared_within_it():
+    """a (10 tokens) fills two blocks of 4 and half a third in the first step; b starts with a's
+    10 tokens: its hit in that step is the two full blocks, not the half one."""
+    s = make(block_size=4, caching=True)
+    s.add_request(req("a", 10, max_tokens=2))
+    s.add_request(req("b", 15, max_tokens=2))
+    out = s.schedule()
+    assert [(q.request_id, q.start_pos, len(q.token_ids)) for q in out.seqs] == [("a", 0, 10), ("b", 8, 7)]
+    s.update(out, RunnerOutput({r: SampledToken(7) for r in "ab"}))
+    run_all(s)
+    s.kv.pool.check_all_free()
+
+
 def test_no_starvation_under_constant_pressure():
     s = make(num_blocks=10, block_size=4, max_num_seqs=4, max_tokens_budget=16)
     for i in range(12):

@@ -282,11 +282,14 @@ class KVCacheManager:
         if run is not None:
             self.pool.release(*run)
 
-    def cache_blocks(self, req: Request) -> None:
-        """Publish the request's blocks that are now full of computed tokens."""
+    def cache_blocks(self, req: Request, upto: int | None = None) -> None:
+        """Publish the request's blocks that are full of computed tokens, or (upto) that will be
+        once the step now scheduled has run: its forward stores every token's K/V before any
+        attention of that step reads the cache, so a request admitted later in the same step may
+        take them as its prefix."""
         if not self.pool.enable_caching:
             return
-        num_full = req.num_computed_tokens // self.block_size
+        num_full = (req.num_computed_tokens if upto is None else upto) // self.block_size
         blocks = self._blocks.get(req.request_id, [])
         hashes = self._block_hashes(req, num_full)
         for block, h in zip(blocks[:num_full], hashes):
@@ -482,9 +485,9 @@ class HybridKVManager:
         assert all(t is not None for t in tables), "a group refused what has_room allowed"
         return tables[0]
 
-    def cache_blocks(self, req: Request) -> None:
+    def cache_blocks(self, req: Request, upto: int | None = None) -> None:
         for g in self.groups:
-            g.cache_blocks(req)
+            g.cache_blocks(req, upto)
 
     def free_out_of_window(self, req: Request) -> None:
         for g in self.groups:

@@ -119,6 +119,7 @@ class Scheduler:
             if not self._make_room(req, n, out):
                 continue
             scheduled.append((req, n))
+            self.kv.cache_blocks(req, req.num_computed_tokens + n)
             budget -= n
         if not out.preempted and self.admitting:
             budget = self._admit(budget, scheduled)
@@ -158,6 +159,9 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append((req, n))
+            # Published now, not after the step: a later admission of this step whose prompt
+            # starts the same way takes these blocks instead of computing them again.
+            self.kv.cache_blocks(req, num_cached + n)
             budget -= n
         return budget
 
@@ -226,7 +230,6 @@ class Scheduler:
         for seq in sched.seqs:
             req = self.requests[seq.request_id]
             req.num_computed_tokens += len(seq.token_ids)
-            self.kv.cache_blocks(req)
             self.kv.free_out_of_window(req)
             for i, v in enumerate(result.prompt_logprobs.get(seq.request_id, ())):
                 if seq.start_pos + i == len(req.prompt_logprobs):  # a recompute scores again; keep the first
