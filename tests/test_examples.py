@@ -50,3 +50,26 @@ def test_ladder_table_shows_the_median_and_each_pair_ratio_of_repeated_rows():
     assert "| **0.98** |" in lines[2] and "405.7 tok/s" in lines[2]
     assert "| **1.04** (0.98, 1.09, 1.04) |" in lines[3]
     assert "| 60.0 s | 61.1 s |" in lines[4]  # prefill-only rows report wall seconds
+
+
+def test_ab_batchgen_exports_a_revision_as_an_importable_package(tmp_path):
+    """The B side of examples/ab_batchgen.py: HEAD's pipeline/ and kernels/ as batchgen and
+    batchgen.kernels, file for file."""
+    import subprocess
+
+    import ab_batchgen
+
+    root = Path(__file__).resolve().parents[1]
+    if subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        import pytest
+
+        pytest.skip("not a git checkout")
+    pkg = ab_batchgen.export_revision("HEAD", tmp_path) / "batchgen"
+    tracked = subprocess.run(["git", "-C", str(root), "ls-files", "pipeline", "kernels"], capture_output=True,
+                             text=True, check=True).stdout.split()
+    want = sorted(f.replace("pipeline/", "", 1) if f.startswith("pipeline/") else f for f in tracked)
+    got = sorted(str(p.relative_to(pkg)) for p in pkg.rglob("*") if p.is_file())
+    assert got == want
+    head = subprocess.run(["git", "-C", str(root), "show", "HEAD:kernels/csrc/gemm_cpu.cpp"], capture_output=True,
+                          check=True).stdout
+    assert (pkg / "kernels" / "csrc" / "gemm_cpu.cpp").read_bytes() == head
