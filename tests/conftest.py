@@ -6,6 +6,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Child Pythons (`python -m batchgen` from the checkout) keep the working directory off sys.path:
+# the checkout's kernels/ would shadow PyPI's `kernels`, which transformers imports.
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Triton kernels run on this CPU through the interpreter; examples/gpu_check.py sets 0 on CUDA.
