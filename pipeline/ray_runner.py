@@ -30,6 +30,9 @@ class EngineActor:
     rows (with _pos) out."""
 
     def __init__(self, spec_data: dict) -> None:
+        from .syspath import drop_checkouts
+
+        drop_checkouts()  # a Ray worker has the driver's working directory on its path
         from .job.prepare import prepare_job
         from .job.run import load_engine
 
