@@ -241,8 +241,8 @@ def test_silu_mul(dtype):
 
 @pytest.mark.parametrize("rows", [385, 1000, 2048])  # over the untiled limit: a ragged and whole last tile
 def test_dense_mlp_in_row_tiles_equals_the_whole_mlp(rows):
-    from batchgen.runner.linear import Linear, onednn_available
-    from batchgen.runner.moe import CPU_MLP_TILE, DenseMLP
+    from batchgen.runner.linear import ROW_TILE, Linear, onednn_available
+    from batchgen.runner.moe import DenseMLP
 
     if not onednn_available():
         pytest.skip("no oneDNN: the MLP is not tiled")
@@ -253,7 +253,7 @@ def test_dense_mlp_in_row_tiles_equals_the_whole_mlp(rows):
     calls = []
     act = lambda t: calls.append(t.shape[0]) or ca.silu_mul(t)  # noqa: E731
     got = mlp(x, act)
-    assert max(calls) <= CPU_MLP_TILE and sum(calls) == rows  # it did run in tiles
+    assert max(calls) <= ROW_TILE and sum(calls) == rows  # it did run in tiles
     want = torch.nn.functional.linear(ca.silu_mul(torch.nn.functional.linear(x, gate_up)), down)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 

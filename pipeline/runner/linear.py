@@ -78,10 +78,17 @@ def interleave_gate_up(t: torch.Tensor, block: int = 16) -> torch.Tensor:
     return torch.stack([gate.reshape(-1, block, *rest), up.reshape(-1, block, *rest)], 1).reshape(t.shape)
 
 
-# Rows per dpbf16 call. Its panel walk reads all of x once per 64-column panel; over a 2,048-row
-# prefill step that is 8 MiB from L3 each time, and the QKV projection ran at 82% of the MLP tiles'
-# rate in the same run (3B, Zen 4), 92% in 256-row calls (the MLP is tiled at the same 256 rows).
-ROW_BLOCK = 256
+# Rows per tile of a prefill-sized call (the dpbf16 Linear's GEMM calls, the CPU MLP's tiles).
+# The dpbf16 panel walk reads all of x once per 64-column panel; over a 2,048-row prefill step
+# that is 8 MiB from L3 each time, and the QKV projection ran at 82% of the MLP tiles' rate in the
+# same run (3B, Zen 4), 92% in 256-row calls. The MLP: see moe.DenseMLP.
+ROW_TILE = 256
+
+
+def row_tiles(n: int) -> range | None:
+    """Starts of the ROW_TILE-row tiles of n rows (the last one ragged), or None when n is at
+    most 1.5 tiles and runs as one call."""
+    return range(0, n, ROW_TILE) if n > ROW_TILE * 3 // 2 else None
 
 
 class Linear:
@@ -140,10 +147,10 @@ class Linear:
             cols = self.out_features // 2 if self.fused_act else self.out_features
             direct = out is not None and out.shape == (x2.shape[0], cols) and out.dtype == dt and out.is_contiguous()
             y = out if direct else x2.new_empty(x2.shape[0], cols)
-            rows = x2.shape[0]
-            if rows > ROW_BLOCK * 3 // 2 and self.path == "dpbf16":
-                for i in range(0, rows, ROW_BLOCK):
-                    self._op(y[i : i + ROW_BLOCK], x2[i : i + ROW_BLOCK], self.weight, self._bias32)
+            tiles = row_tiles(x2.shape[0]) if self.path == "dpbf16" else None
+            if tiles:
+                for i in tiles:
+                    self._op(y[i : i + ROW_TILE], x2[i : i + ROW_TILE], self.weight, self._bias32)
             else:
                 self._op(y, x2, self.weight, self._bias32)
             y = y.view(*x.shape[:-1], cols)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .linear import Linear
+from .linear import ROW_TILE, Linear, row_tiles
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -26,12 +26,12 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-# Rows per MLP tile on the CPU's oneDNN path. A 2,048-token prefill step writes a gate/up output of
-# 2,048 x 2I values (73 MB for a 1.5B model in bf16) that leaves the caches before the activation
-# and the down GEMM read it back; in tiles of 256 rows it stays in L2/L3. The MLP of a 2,048-row
-# step measured 12-14% faster so (bf16 and fp32, 1.5B and 3B shapes, AVX-512 Zen 5); 64-row tiles
-# lose what the GEMMs gain from the larger M. Decode steps (fewer rows) are not split.
-CPU_MLP_TILE = 256
+# The MLP of a prefill step runs in linear.ROW_TILE-row tiles on the CPU's packed paths. A 2,048-
+# token step writes a gate/up output of 2,048 x 2I values (73 MB for a 1.5B model in bf16) that
+# leaves the caches before the activation and the down GEMM read it back; in tiles of 256 rows it
+# stays in L2/L3. The MLP of a 2,048-row step measured 12-14% faster so (bf16 and fp32, 1.5B and
+# 3B shapes, AVX-512 Zen 5); 64-row tiles lose what the GEMMs gain from the larger M. Decode steps
+# (fewer rows) are not split.
 
 
 @dataclass
@@ -42,12 +42,12 @@ class DenseMLP:
     def __call__(self, x: torch.Tensor, silu_mul) -> torch.Tensor:
         """silu_mul: the activation over the gate/up output, unless gate_up applies it itself (fused_act)."""
         act = (lambda t: t) if self.gate_up.fused_act else silu_mul
-        n = x.shape[0]
-        if n <= CPU_MLP_TILE * 3 // 2 or self.gate_up.path == "plain":
+        tiles = row_tiles(x.shape[0])
+        if tiles is None or self.gate_up.path == "plain":
             return self.down(act(self.gate_up(x)))
-        out = x.new_empty(n, self.down.out_features)
-        for i in range(0, n, CPU_MLP_TILE):  # each tile's rows of out written by the down GEMM itself
-            self.down(act(self.gate_up(x[i : i + CPU_MLP_TILE])), out=out[i : i + CPU_MLP_TILE])
+        out = x.new_empty(x.shape[0], self.down.out_features)
+        for i in tiles:  # each tile's rows of out written by the down GEMM itself
+            self.down(act(self.gate_up(x[i : i + ROW_TILE])), out=out[i : i + ROW_TILE])
         return out
 
     def num_weights(self) -> int:
