@@ -119,6 +119,30 @@ def cpu_flags() -> frozenset[str]:
     return _cpuinfo()[1]
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_vendor_family() -> tuple[str, str]:
+    """(vendor_id, cpu family) of the first CPU in /proc/cpuinfo, e.g. ("AuthenticAMD", "25"); empty where there is none."""
+    found: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("vendor_id", "cpu family") and key not in found:
+                    found[key] = value.strip()
+                if len(found) == 2:
+                    break
+    except OSError:
+        pass
+    return found.get("vendor_id", ""), found.get("cpu family", "")
+
+
+def half_width_avx512() -> bool:
+    """Whether this CPU runs AVX-512 on 256-bit units: AMD family 25 with AVX-512 (Zen 3, the
+    same family, has none), i.e. Zen 4. Zen 5 (family 26) and Intel's AVX-512 parts have full-width units."""
+    return "avx512f" in cpu_flags() and cpu_vendor_family() == ("AuthenticAMD", "25")
+
+
 def cpu_info() -> dict:
     """The CPU's model name and the ISA features batchgen's kernels use where present."""
     import platform

@@ -1,5 +1,5 @@
-"""Our GEMMs (kernels/csrc/gemm_cpu.cpp: bf16 on dpbf16 (AVX512-BF16) and fma (AVX2), fp32 on fma)
-against fp32 and float64 matmuls, and where `auto` picks them."""
+"""Our GEMMs (kernels/csrc/gemm_cpu.cpp: bf16 on dpbf16 (AVX512-BF16) and fma (AVX2), fp32 on fma
+(AVX2) and on AVX-512) against fp32 and float64 matmuls, and where `auto` picks them."""
 import pytest
 import torch
 
@@ -8,8 +8,19 @@ from batchgen.runner.linear import Linear
 
 needs_op = pytest.mark.skipif(not linear.dpbf16_available(), reason="no AVX512-BF16 build of the C++ ops here")
 needs_fma = pytest.mark.skipif(not linear.fma_available(), reason="no AVX2/FMA build of the C++ ops here")
+needs_avx512 = pytest.mark.skipif(not linear.avx512_f32_available(), reason="no AVX-512 build of the C++ ops here")
 # Every test of the kernels runs on both; an AVX-512 machine runs the fma one too.
 PATHS = [pytest.param("dpbf16", marks=needs_op), pytest.param("fma", marks=needs_fma)]
+# Both fp32 kernels (the fma path takes the AVX-512 one where it is built): an AVX-512 machine runs both.
+F32_OPS = [pytest.param("gemm_f32_fma", marks=needs_fma), pytest.param("gemm_f32_avx512", marks=needs_avx512)]
+
+
+def _f32_gemm(op: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """One call of an fp32 op on pack_f32_weight's layout, whatever the rows."""
+    ops = torch.ops.batchgen_cpu
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"))
+    getattr(ops, op)(out, x, ops.pack_f32_weight(w), b)
+    return out
 
 
 def _ref(x, w, b):
@@ -75,22 +86,20 @@ def _ref64(x, w, b):
     return y + b.double() if b is not None else y
 
 
-@needs_fma
+@pytest.mark.parametrize("op", F32_OPS)
 # N: one panel, a ragged last panel (N % 16), many panels, a single column; K: below and above one
-# 256-k slice, uneven slices (300 -> 2 x 150, 4,864 -> 19 x 256) and odd K; M: every 6-row tail, and
-# calls past 256 rows (row blocks, one of a single row).
+# 256-k slice (fma) and one 1,024-k chunk (AVX-512), uneven slices (300 -> 2 x 150, 4,864 -> 19 x 256
+# or 5 x 973) and odd K; M: every 6-row tail and near-equal tile heights, and calls past 256 rows
+# (fma's row blocks, one of a single row; the AVX-512 op takes any rows in one call).
 @pytest.mark.parametrize("n,k", [(16, 64), (33, 300), (1000, 7), (1, 513), (72, 4864)])
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 64, 257, 520])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 32, 64, 257, 520])
 @pytest.mark.parametrize("bias", [False, True])
-def test_f32_gemm_matches_float64(n, k, m, bias):
+def test_f32_gemm_matches_float64(n, k, m, bias, op):
     g = torch.Generator().manual_seed(n * 131 + k * 7 + m)
     w = torch.randn(n, k, generator=g) * 0.05
     b = torch.randn(n, generator=g) if bias else None
     x = torch.randn(m, k, generator=g)
-    lin = Linear(w, b, "fma")
-    assert lin.path == "fma" and lin.weight.shape == ((n + 15) // 16, k, 16) and lin.weight.dtype == torch.float32
-    out = lin(x)
-    assert out.dtype == torch.float32 and out.shape == (m, n)
+    out = _f32_gemm(op, x, w, b)
     want = _ref64(x, w, b)
     # fp32 sums in another order than float64's: errors of a few ulps of the sum's terms.
     err = (out.double() - want).abs()
@@ -99,32 +108,81 @@ def test_f32_gemm_matches_float64(n, k, m, bias):
 
 
 @needs_fma
-def test_f32_gemm_reads_strided_rows_and_leading_dims():
+def test_fma_path_packs_fp32_weights_for_the_best_kernel_built():
+    """Linear(fp32 weight, "fma"): the weight packed once as [N / 16, K, 16]; the AVX-512 op where the
+    build has AVX-512 (in 256-row calls, as the dpbf16 path), else the AVX2 one. Same values as one call of it."""
+    g = torch.Generator().manual_seed(3)
+    w, b, x = torch.randn(40, 96, generator=g) * 0.05, torch.randn(40, generator=g), torch.randn(600, 96, generator=g)
+    lin = Linear(w, b, "fma")
+    assert lin.path == "fma" and lin.weight.shape == (3, 96, 16) and lin.weight.dtype == torch.float32
+    avx512 = linear.avx512_f32_available()
+    assert lin._tiled == avx512
+    op = "gemm_f32_avx512" if avx512 else "gemm_f32_fma"
+    assert torch.equal(lin(x), _f32_gemm(op, x, w, b))
+
+
+@pytest.mark.parametrize("op", F32_OPS)
+def test_f32_gemm_reads_strided_rows_and_leading_dims(op):
     g = torch.Generator().manual_seed(2)
     w, b = torch.randn(40, 64, generator=g), torch.randn(40, generator=g)
-    lin = Linear(w, b, "fma")
     wide = torch.randn(300, 200, generator=g)
     x = wide[:, 40:104]  # rows 200 apart, more than one 256-row block
     assert x.stride() == (200, 1)
-    torch.testing.assert_close(lin(x), _ref64(x, w, b).float(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(_f32_gemm(op, x, w, b), _ref64(x, w, b).float(), rtol=1e-5, atol=1e-4)
+    ops, packed = torch.ops.batchgen_cpu, torch.ops.batchgen_cpu.pack_f32_weight(w)
+    with pytest.raises(RuntimeError, match="x has 63 features, the weight 64"):
+        getattr(ops, op)(torch.empty(2, 40), torch.randn(2, 63), packed, None)
+    with pytest.raises(RuntimeError, match="bias fp32"):
+        getattr(ops, op)(torch.empty(2, 40), torch.randn(2, 64), packed, torch.randn(39))
+
+
+@needs_fma
+def test_fma_linear_takes_leading_dims_empty_and_other_dtypes():
+    g = torch.Generator().manual_seed(4)
+    lin = Linear(torch.randn(40, 64, generator=g), torch.randn(40, generator=g), "fma")
     x3 = torch.randn(2, 3, 64, generator=g)
     assert lin(x3).shape == (2, 3, 40)
     torch.testing.assert_close(lin(x3).reshape(6, 40), lin(x3.reshape(6, 64)), rtol=0, atol=0)
     assert lin(torch.empty(0, 64)).shape == (0, 40)
+    x = torch.randn(5, 64, generator=g)
     assert torch.equal(lin(x.bfloat16()), lin(x.bfloat16().float()))  # other dtypes are widened first
-    ops = torch.ops.batchgen_cpu
-    with pytest.raises(RuntimeError, match="x has 63 features, the weight 64"):
-        ops.gemm_f32_fma(torch.empty(2, 40), torch.randn(2, 63), lin.weight, None)
-    with pytest.raises(RuntimeError, match="bias fp32"):
-        ops.gemm_f32_fma(torch.empty(2, 40), torch.randn(2, 64), lin.weight, torch.randn(39))
 
 
-@needs_fma
-@pytest.mark.parametrize("bf16", [False, True])
-def test_fma_ops_with_no_input_features_give_the_bias(bf16):
+@needs_avx512
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+# I: one 64-column tile pair, a last panel of one gate/up pair (I % 32 == 16); K over one chunk; M:
+# 1, a 6-row tail, many tiles; with and without bias.
+@pytest.mark.parametrize("inter,k,m,bias", [(32, 64, 1, False), (48, 2100, 13, True), (2240, 1536, 37, True),
+                                           (96, 128, 300, False)])
+def test_f32_gated_gemm_equals_gemm_then_activation(act, inter, k, m, bias):
+    """The AVX-512 fp32 GEMM's gated epilogue gives what the plain GEMM followed by silu_mul /
+    gelu_tanh_mul gives: the same sums, the same activation, up to the last bits where -ffast-math
+    orders the activation's arithmetic differently in the two ops."""
+    from batchgen.kernels import cpu_attention as ops
+
+    g = torch.Generator().manual_seed(inter + k + m)
+    w = torch.randn(2 * inter, k, generator=g) * 0.05
+    b = torch.randn(2 * inter, generator=g) if bias else None
+    x = torch.randn(m, k, generator=g)
+    plain, fused = Linear(w, b, "fma"), Linear(w, b, "fma", gated=act)
+    assert plain.fused_act is None and fused.fused_act == act
+    want = (ops.silu_mul if act == "silu" else ops.gelu_tanh_mul)(plain(x))
+    got = fused(x)
+    assert got.shape == (m, inter) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # and both near the float64 activation of the float64 sums
+    gate, up = _ref64(x, w, b).chunk(2, dim=-1)
+    f = torch.nn.functional
+    truth = (f.silu(gate) if act == "silu" else f.gelu(gate, approximate="tanh")) * up
+    torch.testing.assert_close(got.double(), truth, rtol=1e-4, atol=1e-5 * float(truth.abs().max()))
+
+
+@pytest.mark.parametrize("op", [pytest.param("gemm_bf16_fma", marks=needs_fma)] + F32_OPS)
+def test_fma_ops_with_no_input_features_give_the_bias(op):
     """K = 0 (no slices to walk): the output is the bias, or zeros (the slice count would divide by zero)."""
-    ops, dt = torch.ops.batchgen_cpu, torch.bfloat16 if bf16 else torch.float32
-    pack, gemm = (ops.pack_bf16_weight, ops.gemm_bf16_fma) if bf16 else (ops.pack_f32_weight, ops.gemm_f32_fma)
+    ops, bf16 = torch.ops.batchgen_cpu, op == "gemm_bf16_fma"
+    dt = torch.bfloat16 if bf16 else torch.float32
+    pack, gemm = (ops.pack_bf16_weight if bf16 else ops.pack_f32_weight), getattr(ops, op)
     w, b, x = pack(torch.empty(20, 0, dtype=dt)), torch.randn(20), torch.empty(3, 0, dtype=dt)
     out = torch.full((3, 20), 7.0, dtype=dt)
     gemm(out, x, w, b)
@@ -170,6 +228,7 @@ def test_auto_takes_dpbf16_only_without_amx(monkeypatch):
     monkeypatch.setattr(linear, "onednn_bf16_available", lambda: True)
     monkeypatch.setattr(linear, "dpbf16_available", lambda: True)
     monkeypatch.setattr(linear, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(linear, "half_width_avx512", lambda: False)  # Zen 5, Cooper Lake (Zen 4: fp32 on fma)
     assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16).linear_path == "dpbf16"
     assert build.choose_backend(EngineSpec(), cpu, torch.float32, torch.float32).linear_path in ("onednn", "plain")
     monkeypatch.setattr(linear, "cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
@@ -197,8 +256,15 @@ def test_auto_takes_fma_where_onednn_has_no_bf16(monkeypatch):
     assert build.choose_backend(EngineSpec(), cpu, torch.float32, torch.float32).linear_path == "fma"
     monkeypatch.setattr(linear, "onednn_bf16_available", lambda: True)  # AVX-512 without bf16 dot products
     monkeypatch.setattr(linear, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    monkeypatch.setattr(linear, "half_width_avx512", lambda: False)
+    monkeypatch.setattr(linear, "avx512_f32_available", lambda: True)
     assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16, torch.bfloat16).linear_path == "onednn"
-    # fp32 stays on oneDNN's AVX-512 kernels
+    # fp32 stays on oneDNN's AVX-512 kernels, except where AVX-512 runs on 256-bit units (Zen 4)
+    assert build.choose_backend(EngineSpec(), cpu, torch.float32, torch.float32).linear_path in ("onednn", "plain")
+    monkeypatch.setattr(linear, "half_width_avx512", lambda: True)
+    assert build.choose_backend(EngineSpec(), cpu, torch.float32, torch.float32).linear_path == "fma"
+    assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16, torch.bfloat16).linear_path == "onednn"
+    monkeypatch.setattr(linear, "avx512_f32_available", lambda: False)  # no AVX-512 build of our ops
     assert build.choose_backend(EngineSpec(), cpu, torch.float32, torch.float32).linear_path in ("onednn", "plain")
     monkeypatch.setattr(linear, "fma_available", lambda: False)
     with pytest.raises(ConfigError, match="engine.linear_path: fma"):
@@ -232,8 +298,11 @@ def test_gated_gemm_equals_gemm_then_activation(act, inter, k, m, bias):
 
 
 def test_gated_weights_the_epilogue_cannot_take_keep_the_plain_output():
-    # fp32 weights, or I not a multiple of 16: the caller applies the activation to [.., 2I]
-    assert Linear(torch.randn(64, 32), None, "fma" if linear.fma_available() else "plain", gated="silu").fused_act is None
+    # fp32 weights off the AVX-512 op, or I not a multiple of 16: the caller applies the activation to [.., 2I]
+    fp32 = Linear(torch.randn(64, 32), None, "fma" if linear.fma_available() else "plain", gated="silu")
+    assert fp32.fused_act == ("silu" if fp32.path == "fma" and linear.avx512_f32_available() else None)
+    odd = Linear(torch.randn(48, 32), None, "fma" if linear.fma_available() else "plain", gated="silu")
+    assert odd.fused_act is None and odd(torch.randn(3, 32)).shape == (3, 48)
     w = (torch.randn(2 * 24, 32) * 0.05).bfloat16()
     lin = Linear(w, None, "dpbf16", gated="silu")
     assert lin.fused_act is None and lin(torch.randn(3, 32).bfloat16()).shape == (3, 48)
@@ -268,19 +337,21 @@ def test_out_rows_are_written_in_place(path, dtype):
     assert torch.equal(strided, want)
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path,dtype", [pytest.param("dpbf16", torch.bfloat16, marks=needs_op),
+                                        pytest.param("fma", torch.bfloat16, marks=needs_fma),
+                                        pytest.param("fma", torch.float32, marks=needs_fma)])
 @pytest.mark.parametrize("rows", [385, 600])  # over the untiled limit: a ragged last tile
-def test_dense_mlp_tiles_write_the_output_rows(path, rows):
+def test_dense_mlp_tiles_write_the_output_rows(path, dtype, rows):
     """The packed MLP in 256-row tiles (each tile's down GEMM writing its rows of the output)
     gives exactly the untiled call's values: each row's sums do not depend on the other rows."""
     from batchgen.kernels import cpu_attention as ca
     from batchgen.runner.moe import DenseMLP
 
     g = torch.Generator().manual_seed(12)
-    gate_up = (torch.randn(2 * 96, 64, generator=g) * 0.1).bfloat16()
-    down = (torch.randn(64, 96, generator=g) * 0.1).bfloat16()
+    gate_up = (torch.randn(2 * 96, 64, generator=g) * 0.1).to(dtype)
+    down = (torch.randn(64, 96, generator=g) * 0.1).to(dtype)
     mlp = DenseMLP(Linear(gate_up, None, path, gated="silu"), Linear(down, None, path))
-    x = torch.randn(rows, 64, generator=g).bfloat16()
+    x = torch.randn(rows, 64, generator=g).to(dtype)
     act = ca.silu_mul
     inner = mlp.gate_up(x)
     whole = mlp.down(inner if mlp.gate_up.fused_act else act(inner))
@@ -292,22 +363,51 @@ def test_dense_mlp_tiles_write_the_output_rows(path, rows):
     assert written == [(got.data_ptr() + i * row_bytes, min(256, rows - i)) for i in range(0, rows, 256)]
 
 
-@needs_op
+@pytest.mark.parametrize("path,dtype,op", [pytest.param("dpbf16", torch.bfloat16, "gemm_bf16", marks=needs_op),
+                                           pytest.param("fma", torch.float32, "gemm_f32_avx512", marks=needs_avx512)])
 @pytest.mark.parametrize("rows,calls", [(384, [384]), (385, [256, 129]), (1000, [256, 256, 256, 232])])
 @pytest.mark.parametrize("bias", [False, True])
-def test_dpbf16_runs_a_prefill_sized_call_in_256_row_blocks(rows, calls, bias):
-    """Over 384 rows (a prefill step's QKV or output projection) the dpbf16 Linear calls the
-    GEMM on 256-row blocks of x and of its output, with exactly the values of one call over all
-    rows (each row's sums do not depend on the other rows)."""
+def test_avx512_gemms_run_a_prefill_sized_call_in_256_row_blocks(path, dtype, op, rows, calls, bias):
+    """Over 384 rows (a prefill step's QKV or output projection) the dpbf16 Linear, and the fp32
+    one on the AVX-512 op, call the GEMM on 256-row blocks of x and of its output, with exactly the
+    values of one call over all rows (each row's sums do not depend on the other rows)."""
     g = torch.Generator().manual_seed(13)
-    w = (torch.randn(200, 96, generator=g) * 0.1).bfloat16()
-    b = torch.randn(200, generator=g).bfloat16() if bias else None
-    lin = Linear(w, b, "dpbf16")
-    x = torch.randn(rows, 96, generator=g).bfloat16()
-    whole = torch.empty(rows, 200, dtype=torch.bfloat16)
-    torch.ops.batchgen_cpu.gemm_bf16(whole, x, lin.weight, lin._bias32, 0)
+    w = (torch.randn(200, 96, generator=g) * 0.1).to(dtype)
+    b = torch.randn(200, generator=g).to(dtype) if bias else None
+    lin = Linear(w, b, path)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    whole = torch.empty(rows, 200, dtype=dtype)
+    getattr(torch.ops.batchgen_cpu, op)(whole, x, lin.weight, lin._bias32, 0)
     op, seen = lin._op, []
     lin._op = lambda out, xs, *a: seen.append((out.shape[0], xs.shape[0])) or op(out, xs, *a)
     got = lin(x)
     assert seen == [(c, c) for c in calls]
     assert torch.equal(got, whole)
+
+
+@pytest.mark.parametrize("vendor,family,flags,want", [
+    ("AuthenticAMD", "25", {"avx2", "avx512f"}, True),     # Zen 4
+    ("AuthenticAMD", "25", {"avx2"}, False),               # Zen 3: the same family, no AVX-512
+    ("AuthenticAMD", "26", {"avx2", "avx512f"}, False),    # Zen 5: full-width units
+    ("GenuineIntel", "6", {"avx2", "avx512f"}, False),
+    ("", "", set(), False),                                # no /proc/cpuinfo
+])
+def test_half_width_avx512_is_zen4(monkeypatch, vendor, family, flags, want):
+    from batchgen import workload
+
+    monkeypatch.setattr(workload, "cpu_vendor_family", lambda: (vendor, family))
+    monkeypatch.setattr(workload, "cpu_flags", lambda: frozenset(flags))
+    assert workload.half_width_avx512() is want
+
+
+def test_cpu_vendor_family_reads_this_machine():
+    from batchgen import workload
+
+    vendor, family = workload.cpu_vendor_family()
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        assert (vendor, family) == ("", "")
+        return
+    assert f"vendor_id\t: {vendor}" in text or not vendor
+    assert family == "" or f"cpu family\t: {family}" in text

@@ -16,8 +16,13 @@ bf16 fallback runs at a fraction of the fp32 rate, so the bf16 weight is widened
 registers and multiplied with FMA. fp32: 6 x 16 register tiles over 16-column weight panels, which
 ran 11-54% above oneDNN's AVX2 fp32 GEMM at Qwen2.5-0.5B's shapes on a Zen 2 (most at decode row
 counts; `examples/bench_gemm_rows.py --dtype float32 --paths onednn,fma`). Both share one blocking.
-`auto` picks it for bf16 weights wherever oneDNN cannot take them, and for fp32 weights on CPUs
-with AVX2 and no AVX-512 (on AVX-512 CPUs fp32 stays on oneDNN's AVX-512 kernels).
+Where the ops are built with AVX-512, fp32 weights on `fma` go to our AVX-512 fp32 GEMM instead
+(gemm_f32_avx512: the dpbf16 kernel's walk with fp32 FMAs, the gate/up activation in its epilogue).
+`auto` picks `fma` for bf16 weights wherever oneDNN cannot take them, and for fp32 weights on CPUs
+with AVX2 and no AVX-512, and on AMD Zen 4, whose AVX-512 runs on 256-bit units: there oneDNN's
+fp32 GEMM ran at 64-85% of the FMA peak at a decode step's 8-32 rows and ours 1.09-1.20x faster
+(0.96-1.0x from 128 rows up). Other AVX-512 CPUs keep oneDNN's fp32 kernels: on a Zen 5 the
+same walk measured 0.87-1.16x oneDNN's, mostly level.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..workload import cpu_flags
+from ..workload import cpu_flags, half_width_avx512
 from .hostmem import on_huge_pages
 
 
@@ -51,14 +56,26 @@ def fma_available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def avx512_f32_available() -> bool:
+    """Whether the AVX-512 fp32 GEMM runs here: the C++ ops built with AVX-512F (-march=native)."""
+    from batchgen.kernels import cpu_attention
+
+    return cpu_attention.available() and bool(torch.ops.batchgen_cpu.has_avx512_f32_gemm())
+
+
+@functools.lru_cache(maxsize=None)
 def onednn_bf16_available() -> bool:
     """Whether oneDNN has bf16 kernels on this CPU (AVX512-BW/VL/DQ, AVX-NE-CONVERT or AMX)."""
     return onednn_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def fma_f32_preferred() -> bool:
-    """Whether `auto` puts fp32 weights on the fma GEMM: AVX2 and FMA, and no AVX-512 (oneDNN's kernels there)."""
-    return "avx512f" not in cpu_flags() and fma_available()
+    """Whether `auto` puts fp32 weights on our fp32 GEMM (the fma path): AVX2 and FMA without AVX-512,
+    or AVX-512 on 256-bit units (AMD Zen 4), where our AVX-512 kernel beat oneDNN's at decode row
+    counts. Other AVX-512 CPUs keep oneDNN's kernels."""
+    if "avx512f" not in cpu_flags():
+        return fma_available()
+    return half_width_avx512() and avx512_f32_available()
 
 
 def dpbf16_preferred() -> bool:
@@ -115,9 +132,20 @@ class Linear:
         if path == "onednn" and cpu and weight.dtype == torch.bfloat16 and not onednn_bf16_available():
             path = "fma" if packable and fma_available() else "plain"  # oneDNN refuses bf16 here
         self.path = path
+        self._tiled = path == "dpbf16"  # ROW_TILE-row calls: the AVX-512 kernels' panel walk reads all of x per panel
         if path in ("dpbf16", "fma"):
             ops = torch.ops.batchgen_cpu
-            if f32:  # fma's fp32 GEMM
+            if f32 and avx512_f32_available():  # fma's fp32 GEMM on AVX-512, the gate/up activation in its epilogue
+                if gated in GATED_ACTS and self.out_features % 32 == 0:
+                    act = GATED_ACTS[gated]
+                    self.fused_act = gated
+                    weight, bias = interleave_gate_up(weight), interleave_gate_up(bias) if bias is not None else None
+                else:
+                    act = 0
+                self._op = lambda out, x, w, b: ops.gemm_f32_avx512(out, x, w, b, act)
+                self._tiled = True
+                self.weight = ops.pack_f32_weight(weight.contiguous())
+            elif f32:  # fma's fp32 GEMM on AVX2
                 self._op, self.weight = ops.gemm_f32_fma, ops.pack_f32_weight(weight.contiguous())
             elif path == "dpbf16" and gated in GATED_ACTS and self.out_features % 32 == 0:
                 act = GATED_ACTS[gated]
@@ -147,7 +175,7 @@ class Linear:
             cols = self.out_features // 2 if self.fused_act else self.out_features
             direct = out is not None and out.shape == (x2.shape[0], cols) and out.dtype == dt and out.is_contiguous()
             y = out if direct else x2.new_empty(x2.shape[0], cols)
-            tiles = row_tiles(x2.shape[0]) if self.path == "dpbf16" else None
+            tiles = row_tiles(x2.shape[0]) if self._tiled else None
             if tiles:
                 for i in tiles:
                     self._op(y[i : i + ROW_TILE], x2[i : i + ROW_TILE], self.weight, self._bias32)

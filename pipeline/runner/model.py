@@ -356,9 +356,10 @@ class CausalLM:
 
     @property
     def verified_greedy(self) -> bool:
-        """Whether greedy_tokens() applies: the fused path of an fp32 model with a oneDNN lm_head,
-        on a CPU with native bf16 dot products (AVX512-BF16 or AMX; elsewhere bf16 is no faster)."""
-        return (self.fused and self.dtype == torch.float32 and self.lm_head.path == "onednn"
+        """Whether greedy_tokens() applies: the fused path of an fp32 model with a packed lm_head
+        (oneDNN's, or our fp32 GEMM's on Zen 4), on a CPU with native bf16 dot products (AVX512-BF16
+        or AMX; elsewhere bf16 is no faster)."""
+        return (self.fused and self.dtype == torch.float32 and self.lm_head.path in ("onednn", "fma")
                 and _native_bf16())
 
     def greedy_tokens(self, h: torch.Tensor, mask=None) -> torch.Tensor:
