@@ -1,6 +1,7 @@
 // Our GEMMs, y = x @ W.T (+ b). gemm_bf16 for AVX512-BF16 CPUs without AMX (AMD Zen 4/5, Intel
 // Cooper Lake), on pack_bf16_weight's layout; gemm_bf16_fma and gemm_f32_fma for AVX2 + FMA CPUs
-// without AVX-512 (below), on pack_bf16_weight's and pack_f32_weight's.
+// without AVX-512 (below), on pack_bf16_weight's and pack_f32_weight's; gemm_f32_avx512 for fp32
+// weights on AVX-512 (AMD Zen 4 by default), on pack_f32_weight's, with gemm_bf16's walk.
 //
 // oneDNN's bf16 kernels reach the dot-product peak on large row counts, but a decode step has
 // tens of rows, and there oneDNN ran at 75-85% of its 256-row rate on Qwen2.5-1.5B's shapes: it
