@@ -98,20 +98,28 @@ def sample_workload(name: str, tokenizer, num_prompts: int, output_cap: int | No
 
 
 @functools.lru_cache(maxsize=None)
-def _cpuinfo() -> tuple[str, frozenset[str]]:
-    """(model name, flags) of the first CPU in /proc/cpuinfo; empty where there is none."""
-    model, flags = "", frozenset()
+def _cpuinfo_fields() -> dict[str, str]:
+    """model name, vendor_id, cpu family and flags of the first CPU in /proc/cpuinfo (one pass);
+    empty where there is none."""
+    found: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name") and not model:
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = frozenset(line.split(":", 1)[1].split())
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "vendor_id", "cpu family", "flags") and key not in found:
+                    found[key] = value.strip()
+                if key == "flags":  # the first CPU's fields all come before its flags
                     break
     except OSError:
         pass
-    return model, flags
+    return found
+
+
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    """(model name, flags) of the first CPU in /proc/cpuinfo; empty where there is none."""
+    fields = _cpuinfo_fields()
+    return fields.get("model name", ""), frozenset(fields.get("flags", "").split())
 
 
 def cpu_flags() -> frozenset[str]:
@@ -119,22 +127,10 @@ def cpu_flags() -> frozenset[str]:
     return _cpuinfo()[1]
 
 
-@functools.lru_cache(maxsize=None)
 def cpu_vendor_family() -> tuple[str, str]:
     """(vendor_id, cpu family) of the first CPU in /proc/cpuinfo, e.g. ("AuthenticAMD", "25"); empty where there is none."""
-    found: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("vendor_id", "cpu family") and key not in found:
-                    found[key] = value.strip()
-                if len(found) == 2:
-                    break
-    except OSError:
-        pass
-    return found.get("vendor_id", ""), found.get("cpu family", "")
+    fields = _cpuinfo_fields()
+    return fields.get("vendor_id", ""), fields.get("cpu family", "")
 
 
 def half_width_avx512() -> bool:
@@ -155,7 +151,8 @@ def cpu_info() -> dict:
             if f in flags]
     return {"model": model, "isa": used,
             "gemms": "oneDNN (AMX tiles for bf16)" if "amx_bf16" in flags else
-            "bf16: batchgen dpbf16 (AVX512-BF16), fp32: oneDNN (AVX-512)" if "avx512_bf16" in flags else
+            "bf16: batchgen dpbf16 (AVX512-BF16), fp32: "
+            + ("batchgen fma (AVX-512, Zen 4)" if half_width_avx512() else "oneDNN (AVX-512)") if "avx512_bf16" in flags else
             "oneDNN (AVX-512)" if "avx512f" in flags else
             "batchgen fma (AVX2; fp32, and bf16 weights widened to fp32)" if "avx2" in flags and "fma" in flags
             else "oneDNN",
