@@ -177,18 +177,25 @@ def test_f32_gated_gemm_equals_gemm_then_activation(act, inter, k, m, bias):
     torch.testing.assert_close(got.double(), truth, rtol=1e-4, atol=1e-5 * float(truth.abs().max()))
 
 
-@pytest.mark.parametrize("op", [pytest.param("gemm_bf16_fma", marks=needs_fma)] + F32_OPS)
-def test_fma_ops_with_no_input_features_give_the_bias(op):
-    """K = 0 (no slices to walk): the output is the bias, or zeros (the slice count would divide by zero)."""
-    ops, bf16 = torch.ops.batchgen_cpu, op == "gemm_bf16_fma"
+BF16_OPS = [pytest.param("gemm_bf16", marks=needs_op), pytest.param("gemm_bf16_fma", marks=needs_fma)]
+
+
+@pytest.mark.parametrize("op", BF16_OPS + F32_OPS)
+def test_gemms_with_no_input_features_give_the_bias(op):
+    """K = 0 (nothing to walk): the output is the bias, or zeros. The chunk or slice count would
+    divide by zero: gemm_bf16 died of SIGFPE here before its walk was shared with gemm_f32_avx512."""
+    ops, bf16 = torch.ops.batchgen_cpu, op.startswith("gemm_bf16")
     dt = torch.bfloat16 if bf16 else torch.float32
     pack, gemm = (ops.pack_bf16_weight if bf16 else ops.pack_f32_weight), getattr(ops, op)
-    w, b, x = pack(torch.empty(20, 0, dtype=dt)), torch.randn(20), torch.empty(3, 0, dtype=dt)
-    out = torch.full((3, 20), 7.0, dtype=dt)
+    w, b, x = pack(torch.empty(64, 0, dtype=dt)), torch.randn(64), torch.empty(3, 0, dtype=dt)
+    out = torch.full((3, 64), 7.0, dtype=dt)
     gemm(out, x, w, b)
-    torch.testing.assert_close(out.float(), b.to(dt).float().expand(3, 20))
+    torch.testing.assert_close(out.float(), b.to(dt).float().expand(3, 64))
     gemm(out, x, w, None)
     assert not out.any()
+    if op in ("gemm_bf16", "gemm_f32_avx512"):  # the gated ones: no gate or up values to take
+        with pytest.raises(RuntimeError, match="a gated GEMM needs K > 0"):
+            gemm(torch.empty(3, 32, dtype=dt), x, w, None, 1)
 
 
 @pytest.mark.parametrize("path", PATHS)

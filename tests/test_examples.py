@@ -73,3 +73,26 @@ def test_ab_batchgen_exports_a_revision_as_an_importable_package(tmp_path):
     head = subprocess.run(["git", "-C", str(root), "show", "HEAD:kernels/csrc/gemm_cpu.cpp"], capture_output=True,
                           check=True).stdout
     assert (pkg / "kernels" / "csrc" / "gemm_cpu.cpp").read_bytes() == head
+
+
+def test_ab_gemm_source_takes_a_revisions_sources_and_renames_their_op_library():
+    """examples/ab_gemm_source.py builds gemm_cpu.cpp at a revision beside the working tree's: each
+    must register under its own name, and a revision git does not know stops with its name."""
+    import subprocess
+
+    import ab_gemm_source
+    import pytest
+
+    root = Path(__file__).resolve().parents[1]
+    if subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    files = ab_gemm_source.sources_at("HEAD")
+    head = subprocess.run(["git", "-C", str(root), "show", "HEAD:kernels/csrc/gemm_cpu.cpp"], capture_output=True,
+                          text=True, check=True).stdout
+    assert files["gemm_cpu.cpp"] == head and "inline" in files["cpu_common.h"]
+    src = ab_gemm_source.renamed(head, "ab_base")
+    assert "TORCH_LIBRARY_FRAGMENT(ab_base, m)" in src and "TORCH_LIBRARY_FRAGMENT(batchgen_cpu" not in src
+    with pytest.raises(SystemExit, match="has 0 TORCH_LIBRARY_FRAGMENT"):
+        ab_gemm_source.renamed("int x;", "ab_head")
+    with pytest.raises(SystemExit, match="no-such-rev"):
+        ab_gemm_source.sources_at("no-such-rev")

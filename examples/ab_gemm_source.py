@@ -1,0 +1,138 @@
+"""Our AVX-512 GEMMs (kernels/csrc/gemm_cpu.cpp) at a git revision against the working tree's, in one
+process: the GEMM-rate check for a change to the kernel.
+
+    .venv/bin/python examples/ab_gemm_source.py --base HEAD~1 --model /tmp/ladder/qwen2.5-1.5b \
+        [--dtype bfloat16|float32] [--rows 8,16,32,64,128,256,2048] [--reps 7]
+
+Both sources are built with the engine's flags, each as its own op library (`torch.ops.ab_base`,
+`torch.ops.ab_head`), and each packs its own copy of the weights. At each row count a layer's four
+linears (fused QKV, output, fused gate/up with its SiLU epilogue, down) run over --copies copies
+of the weights, so they stream from memory as in a real forward; the two builds alternate (ABBA
+over the reps), so both see the machine's noise. It first checks that both give the same values
+at a few row counts, and says by how much they differ when they do not. GFLOP/s = 2 * M * K * N /
+the median time; `head / base` is the ratio of the medians.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+from bench_gemm_rows import layer_shapes  # noqa: E402
+
+from batchgen.kernels.cpu_attention import _FLAGS  # noqa: E402
+from batchgen.plan import load_model_config, shape_from_config  # noqa: E402
+
+CSRC = "kernels/csrc"
+
+
+FRAGMENT = "TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m)"
+
+
+def renamed(src: str, name: str) -> str:
+    """gemm_cpu.cpp with its ops registered under torch.ops.<name> instead of batchgen_cpu."""
+    if src.count(FRAGMENT) != 1:
+        raise SystemExit(f"{name}: gemm_cpu.cpp has {src.count(FRAGMENT)} {FRAGMENT} lines, not one to rename")
+    return src.replace(FRAGMENT, f"TORCH_LIBRARY_FRAGMENT({name}, m)")
+
+
+def build(name: str, files: dict[str, str], where: Path) -> None:
+    """Write gemm_cpu.cpp (its op library renamed to `name`) and cpu_common.h into `where`, then build."""
+    from torch.utils.cpp_extension import load
+
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "gemm_cpu.cpp").write_text(renamed(files["gemm_cpu.cpp"], name))
+    (where / "cpu_common.h").write_text(files["cpu_common.h"])
+    load(name=name, sources=[str(where / "gemm_cpu.cpp")], extra_cflags=_FLAGS + [f"-I{where}"],
+         extra_ldflags=["-fopenmp"], build_directory=str(where), is_python_module=False, verbose=False)
+
+
+def sources_at(rev: str) -> dict[str, str]:
+    def show(f: str) -> str:
+        r = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{CSRC}/{f}"], capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"--base {rev}: {r.stderr.strip()}")
+        return r.stdout
+    return {f: show(f) for f in ("gemm_cpu.cpp", "cpu_common.h")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True, help="the git revision to compare the working tree's source with")
+    ap.add_argument("--model", required=True, help="a local HF folder, a config.json or a GGUF file (its shapes)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--rows", default="8,16,32,64,128,256,2048")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--copies", type=int, default=2, help="copies of the layer's weights (more than L3 in all)")
+    args = ap.parse_args()
+    bf16 = args.dtype == "bfloat16"
+    head = {f: (ROOT / CSRC / f).read_text() for f in ("gemm_cpu.cpp", "cpu_common.h")}
+    with tempfile.TemporaryDirectory(prefix="ab_gemm_") as tmp:
+        build("ab_base", sources_at(args.base), Path(tmp) / "base")
+        build("ab_head", head, Path(tmp) / "head")
+        libs = {"base": torch.ops.ab_base, "head": torch.ops.ab_head}
+        need = "has_dpbf16_gemm" if bf16 else "has_avx512_f32_gemm"
+        if not all(getattr(lib, need)() for lib in libs.values()):
+            raise SystemExit(f"this CPU's build has no {'AVX512-BF16' if bf16 else 'AVX-512'} GEMM ({need})")
+        run(libs, args, bf16)
+
+
+def run(libs: dict, args, bf16: bool) -> None:
+    dt = torch.bfloat16 if bf16 else torch.float32
+    cfg, where = load_model_config(args.model)
+    shapes = {k: v for k, v in layer_shapes(shape_from_config(cfg, where)).items() if k != "lm_head"}
+    torch.manual_seed(0)
+    layers = []  # (k, n, act, {lib: packed weight})
+    for _ in range(args.copies):
+        for name, (k, n) in shapes.items():
+            w = (torch.randn(n, k) * 0.02).to(dt)
+            act = 1 if name == "gate_up" and n % 32 == 0 else 0
+            layers.append((k, n, act, {v: (lib.pack_bf16_weight if bf16 else lib.pack_f32_weight)(w)
+                                       for v, lib in libs.items()}))
+    gemm = {v: lib.gemm_bf16 if bf16 else lib.gemm_f32_avx512 for v, lib in libs.items()}
+
+    def call(v: str, m: int, xs: dict, outs: dict) -> None:
+        for k, n, act, packed in layers:
+            gemm[v](outs[(n, act)], xs[k], packed[v], None, act)
+
+    def buffers(m: int):
+        xs = {k: torch.randn(m, k).to(dt) for k in {k for k, _, _, _ in layers}}
+        return xs, {(n, act): torch.empty(m, n // (2 if act else 1), dtype=dt) for _, n, act, _ in layers}
+
+    worst = 0.0
+    for m in (1, 5, 13, 32, 300):
+        xs, _ = buffers(m)
+        got = {}
+        for v in libs:
+            outs = buffers(m)[1]
+            call(v, m, xs, outs)
+            got[v] = outs
+        worst = max(worst, max((got["head"][key].float() - got["base"][key].float()).abs().max().item()
+                               for key in got["head"]))
+    print(f"{args.dtype}, {torch.get_num_threads()} threads, shapes (in, out): {shapes}, {args.copies} copies; "
+          + ("outputs identical" if worst == 0 else f"outputs differ by up to {worst:.3g}"), flush=True)
+    print(f"{'rows':>6} {'base GFLOP/s':>13} {'head GFLOP/s':>13} {'head / base':>12}")
+    for m in (int(r) for r in args.rows.split(",")):
+        xs, outs = buffers(m)
+        times = {v: [] for v in libs}
+        for rep in range(args.reps):
+            for v in (("base", "head") if rep % 2 == 0 else ("head", "base")):
+                t = time.perf_counter()
+                call(v, m, xs, outs)
+                times[v].append(time.perf_counter() - t)
+        flop = 2 * m * sum(k * n for k, n, _, _ in layers)
+        med = {v: statistics.median(t) for v, t in times.items()}
+        print(f"{m:>6} {flop / med['base'] / 1e9:>13.0f} {flop / med['head'] / 1e9:>13.0f} "
+              f"{med['base'] / med['head']:>12.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
