@@ -37,6 +37,9 @@ ROWS = [
     ("default", "prompt-heavy", "bfloat16", 128, 256),
     ("qwen2.5-0.5b", "decode-heavy", "bfloat16", 128, 256),
     ("qwen2.5-3b", "decode-heavy", "bfloat16", 32, 128),
+    ("qwen2.5-1.5b", "decode-heavy", "float32", 32, 128),
+    ("qwen2.5-1.5b", "prefill-only", "float32", 32, 128),
+    ("qwen2.5-3b", "prompt-heavy", "float32", 16, 128),
 ]
 DTYPE = {"bfloat16": "bf16", "float32": "fp32"}
 
