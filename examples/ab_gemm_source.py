@@ -1,8 +1,12 @@
-"""Our AVX-512 GEMMs (kernels/csrc/gemm_cpu.cpp) at a git revision against the working tree's, in one
+"""Our CPU GEMMs (kernels/csrc/gemm_cpu.cpp) at a git revision against the working tree's, in one
 process: the GEMM-rate check for a change to the kernel.
 
     .venv/bin/python examples/ab_gemm_source.py --base HEAD~1 --model /tmp/ladder/qwen2.5-1.5b \
-        [--dtype bfloat16|float32] [--rows 8,16,32,64,128,256,2048] [--reps 7]
+        [--dtype bfloat16|float32] [--kernel auto|avx512|fma] [--rows 8,16,32,64,128,256,2048] [--reps 7]
+
+--kernel avx512 compares gemm_bf16 (AVX512-BF16) or gemm_f32_avx512; fma compares the AVX2 kernels,
+gemm_bf16_fma or gemm_f32_fma (no activation epilogue: the gate/up GEMM writes both halves); auto
+takes avx512 where this CPU's build has it, else fma.
 
 Both sources are built with the engine's flags, each as its own op library (`torch.ops.ab_base`,
 `torch.ops.ab_head`), and each packs its own copy of the weights. At each row count a layer's four
@@ -10,7 +14,8 @@ linears (fused QKV, output, fused gate/up with its SiLU epilogue, down) run over
 of the weights, so they stream from memory as in a real forward; the two builds alternate (ABBA
 over the reps), so both see the machine's noise. It first checks that both give the same values
 at a few row counts, and says by how much they differ when they do not. GFLOP/s = 2 * M * K * N /
-the median time; `head / base` is the ratio of the medians.
+the median time; `head / base` is the ratio of the medians, `best` that of the fastest reps
+(steadier where neighbours load the machine in bursts).
 """
 from __future__ import annotations
 
@@ -72,6 +77,7 @@ def main() -> None:
     ap.add_argument("--rows", default="8,16,32,64,128,256,2048")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--copies", type=int, default=2, help="copies of the layer's weights (more than L3 in all)")
+    ap.add_argument("--kernel", default="auto", choices=["auto", "avx512", "fma"])
     args = ap.parse_args()
     bf16 = args.dtype == "bfloat16"
     head = {f: (ROOT / CSRC / f).read_text() for f in ("gemm_cpu.cpp", "cpu_common.h")}
@@ -79,13 +85,22 @@ def main() -> None:
         build("ab_base", sources_at(args.base), Path(tmp) / "base")
         build("ab_head", head, Path(tmp) / "head")
         libs = {"base": torch.ops.ab_base, "head": torch.ops.ab_head}
-        need = "has_dpbf16_gemm" if bf16 else "has_avx512_f32_gemm"
-        if not all(getattr(lib, need)() for lib in libs.values()):
-            raise SystemExit(f"this CPU's build has no {'AVX512-BF16' if bf16 else 'AVX-512'} GEMM ({need})")
-        run(libs, args, bf16)
+        kernel = pick_kernel(args.kernel, bf16, libs)
+        run(libs, args, bf16, kernel)
 
 
-def run(libs: dict, args, bf16: bool) -> None:
+def pick_kernel(kernel: str, bf16: bool, libs: dict) -> str:
+    """avx512 or fma: the kernel asked for (auto: avx512 where the build has it), checked in both builds."""
+    need = {"avx512": "has_dpbf16_gemm" if bf16 else "has_avx512_f32_gemm", "fma": "has_fma_bf16_gemm"}
+    if kernel == "auto":
+        kernel = "avx512" if all(getattr(lib, need["avx512"])() for lib in libs.values()) else "fma"
+    if not all(getattr(lib, need[kernel])() for lib in libs.values()):
+        isa = {"avx512": "AVX512-BF16" if bf16 else "AVX-512", "fma": "AVX2/FMA"}[kernel]
+        raise SystemExit(f"this CPU's build has no {isa} GEMM ({need[kernel]})")
+    return kernel
+
+
+def run(libs: dict, args, bf16: bool, kernel: str) -> None:
     dt = torch.bfloat16 if bf16 else torch.float32
     cfg, where = load_model_config(args.model)
     shapes = {k: v for k, v in layer_shapes(shape_from_config(cfg, where)).items() if k != "lm_head"}
@@ -94,10 +109,14 @@ def run(libs: dict, args, bf16: bool) -> None:
     for _ in range(args.copies):
         for name, (k, n) in shapes.items():
             w = (torch.randn(n, k) * 0.02).to(dt)
-            act = 1 if name == "gate_up" and n % 32 == 0 else 0
+            act = 1 if kernel == "avx512" and name == "gate_up" and n % 32 == 0 else 0
             layers.append((k, n, act, {v: (lib.pack_bf16_weight if bf16 else lib.pack_f32_weight)(w)
                                        for v, lib in libs.items()}))
-    gemm = {v: lib.gemm_bf16 if bf16 else lib.gemm_f32_avx512 for v, lib in libs.items()}
+    if kernel == "avx512":
+        gemm = {v: lib.gemm_bf16 if bf16 else lib.gemm_f32_avx512 for v, lib in libs.items()}
+    else:  # the AVX2 kernels take no act
+        gemm = {v: (lambda op: lambda out, x, w, b, act: op(out, x, w, b))(
+            lib.gemm_bf16_fma if bf16 else lib.gemm_f32_fma) for v, lib in libs.items()}
 
     def call(v: str, m: int, xs: dict, outs: dict) -> None:
         for k, n, act, packed in layers:
@@ -117,9 +136,9 @@ def run(libs: dict, args, bf16: bool) -> None:
             got[v] = outs
         worst = max(worst, max((got["head"][key].float() - got["base"][key].float()).abs().max().item()
                                for key in got["head"]))
-    print(f"{args.dtype}, {torch.get_num_threads()} threads, shapes (in, out): {shapes}, {args.copies} copies; "
+    print(f"{kernel} {args.dtype}, {torch.get_num_threads()} threads, shapes (in, out): {shapes}, {args.copies} copies; "
           + ("outputs identical" if worst == 0 else f"outputs differ by up to {worst:.3g}"), flush=True)
-    print(f"{'rows':>6} {'base GFLOP/s':>13} {'head GFLOP/s':>13} {'head / base':>12}")
+    print(f"{'rows':>6} {'base GFLOP/s':>13} {'head GFLOP/s':>13} {'head / base':>12} {'best: head / base':>18}")
     for m in (int(r) for r in args.rows.split(",")):
         xs, outs = buffers(m)
         times = {v: [] for v in libs}
@@ -131,7 +150,7 @@ def run(libs: dict, args, bf16: bool) -> None:
         flop = 2 * m * sum(k * n for k, n, _, _ in layers)
         med = {v: statistics.median(t) for v, t in times.items()}
         print(f"{m:>6} {flop / med['base'] / 1e9:>13.0f} {flop / med['head'] / 1e9:>13.0f} "
-              f"{med['base'] / med['head']:>12.3f}", flush=True)
+              f"{med['base'] / med['head']:>12.3f} {min(times['base']) / min(times['head']):>18.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,30 @@ def test_gemm_reads_strided_rows_and_leading_dims(path):
     assert lin(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 96)
 
 
+@needs_fma
+@pytest.mark.parametrize("m", [64, 300])  # one 64-row block; a 256-row block and a 44-row one
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fma_prefill_rows_walk_panels_in_groups(m, bf16):
+    """At prefill rows with more x than L2 holds, the fma kernels walk the weight's panels in groups,
+    slice by slice (16 panels a group at 64 rows, 8 at 256, one below 64 rows): 38 panels with a
+    ragged last one make each thread's run end in a partial group, and K = 1,100 gives uneven
+    slices (5 x 220 fp32, 3 x 368 bf16)."""
+    g = torch.Generator().manual_seed(m + bf16)
+    w, b, x = torch.randn(600, 1100, generator=g) * 0.05, torch.randn(600, generator=g), torch.randn(m, 1100, generator=g)
+    if bf16:
+        w, b, x = w.bfloat16(), b.bfloat16(), x.bfloat16()
+        out = Linear(w, b, "fma")(x).float()
+        want = _ref(x, w, b)
+        err = (out - want).abs()
+        tol = 2 ** -7 * want.abs() + 1e-3 * want.abs().max()
+    else:
+        out = _f32_gemm("gemm_f32_fma", x, w, b)
+        want = _ref64(x, w, b)
+        err = (out.double() - want).abs()
+        tol = 1e-6 * (1100 ** 0.5) * (x.double().abs() @ w.double().abs().t()).clamp_min(1e-3) + 1e-6
+    assert bool((err <= tol).all()), f"max error {err.max().item()} at {divmod(int(err.argmax()), 600)}"
+
+
 def _ref64(x, w, b):
     y = x.double() @ w.double().t()
     return y + b.double() if b is not None else y

@@ -96,3 +96,50 @@ def test_ab_gemm_source_takes_a_revisions_sources_and_renames_their_op_library()
         ab_gemm_source.renamed("int x;", "ab_head")
     with pytest.raises(SystemExit, match="no-such-rev"):
         ab_gemm_source.sources_at("no-such-rev")
+
+
+def test_gemm_rows_bench_alternates_the_paths_rep_by_rep(capsys):
+    """bench_gemm_rows.measure runs the paths ABBA over the reps, so a burst of load on the machine
+    lands on both, and ends with each path's layer speed over the first path's."""
+    import bench_gemm_rows
+    import torch
+
+    order = []
+
+    def linear(path):
+        def call(x):
+            order.append(path)
+            return x
+        return call
+
+    shapes = {"qkv": (4, 8), "o": (4, 4), "gate_up": (4, 16), "down": (8, 4), "lm_head": (4, 32)}
+    layer = {k: v for k, v in shapes.items() if k != "lm_head"}
+    linears = {p: ({k: [linear(p)] * 4 for k in layer}, linear(p)) for p in ("onednn", "fma")}
+    bench_gemm_rows.measure(2, linears, shapes, layer, torch.float32, reps=3)
+    per_rep = 4 * len(layer) + 1  # four copies of the layer's linears, then the lm_head
+    runs = [order[i] for i in range(0, len(order), per_rep)]
+    assert len(order) == 2 * 4 * per_rep
+    assert runs == ["onednn", "fma", "fma", "onednn", "onednn", "fma", "fma", "onednn"]
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in out[:2]] == ["onednn", "fma"]
+    assert out[2].startswith("     2 layer speed over onednn's: fma ")
+
+
+def test_ab_gemm_source_picks_the_avx2_kernels_where_the_build_has_no_avx512():
+    import ab_gemm_source
+    import pytest
+
+    class Lib:
+        def __init__(self, **has):
+            for name in ("has_dpbf16_gemm", "has_avx512_f32_gemm", "has_fma_bf16_gemm"):
+                setattr(self, name, (lambda v: lambda: v)(has.get(name, False)))
+
+    zen3 = {"base": Lib(has_fma_bf16_gemm=True), "head": Lib(has_fma_bf16_gemm=True)}
+    zen4 = {v: Lib(has_fma_bf16_gemm=True, has_avx512_f32_gemm=True, has_dpbf16_gemm=True) for v in ("base", "head")}
+    assert ab_gemm_source.pick_kernel("auto", False, zen3) == "fma"
+    assert ab_gemm_source.pick_kernel("auto", True, zen4) == "avx512"
+    assert ab_gemm_source.pick_kernel("fma", False, zen4) == "fma"
+    with pytest.raises(SystemExit, match="no AVX-512 GEMM"):
+        ab_gemm_source.pick_kernel("avx512", False, zen3)
+    with pytest.raises(SystemExit, match="no AVX2/FMA GEMM"):
+        ab_gemm_source.pick_kernel("fma", True, {"base": Lib(), "head": Lib()})
