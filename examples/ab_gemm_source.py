@@ -112,15 +112,16 @@ def run(libs: dict, args, bf16: bool, kernel: str) -> None:
             act = 1 if kernel == "avx512" and name == "gate_up" and n % 32 == 0 else 0
             layers.append((k, n, act, {v: (lib.pack_bf16_weight if bf16 else lib.pack_f32_weight)(w)
                                        for v, lib in libs.items()}))
-    if kernel == "avx512":
-        gemm = {v: lib.gemm_bf16 if bf16 else lib.gemm_f32_avx512 for v, lib in libs.items()}
-    else:  # the AVX2 kernels take no act
-        gemm = {v: (lambda op: lambda out, x, w, b, act: op(out, x, w, b))(
-            lib.gemm_bf16_fma if bf16 else lib.gemm_f32_fma) for v, lib in libs.items()}
+    op = {("avx512", True): "gemm_bf16", ("avx512", False): "gemm_f32_avx512",
+          ("fma", True): "gemm_bf16_fma", ("fma", False): "gemm_f32_fma"}[(kernel, bf16)]
+    gemm = {v: getattr(lib, op) for v, lib in libs.items()}
 
     def call(v: str, m: int, xs: dict, outs: dict) -> None:
         for k, n, act, packed in layers:
-            gemm[v](outs[(n, act)], xs[k], packed[v], None, act)
+            if kernel == "avx512":
+                gemm[v](outs[(n, act)], xs[k], packed[v], None, act)
+            else:  # the AVX2 kernels take no act
+                gemm[v](outs[(n, act)], xs[k], packed[v], None)
 
     def buffers(m: int):
         xs = {k: torch.randn(m, k).to(dt) for k in {k for k, _, _, _ in layers}}

@@ -8,9 +8,9 @@ AVX512-BF16 CPUs without AMX our dpbf16 kernel (pipeline/runner/linear.py); vLLM
 calls oneDNN's brgemm kernels. The paths alternate rep by rep at each M (ABBA), so all see the
 same noise; run in turn, a burst of load on a shared machine once put fma at 0.89x oneDNN at 2,048
 rows where alternating gave 1.09x. A decode step is one call per linear with M = the running
-sequences; a prefill step has up to max_num_batched_tokens rows. Each layer's four linears (fused QKV, output, fused gate/up, down)
-run in order over 4 copies of the weights, so weights come from memory as in a real forward, and
-the lm_head apart. Medians of --reps; GFLOP/s = 2 * M * K * N / time.
+sequences; a prefill step has up to max_num_batched_tokens rows. Each layer's four linears (fused
+QKV, output, fused gate/up, down) run in order over 4 copies of the weights, so weights come from
+memory as in a real forward, and the lm_head apart. Medians of --reps; GFLOP/s = 2 * M * K * N / time.
 """
 from __future__ import annotations
 

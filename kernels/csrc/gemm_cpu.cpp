@@ -425,7 +425,7 @@ void block(float* c, uint16_t* c16, int64_t ldc, const float* a, int64_t m, int6
   const int64_t panel_bytes = k / kLine * 64;
   const char* end = wb + p1 * panel_bytes;
   const int64_t group = group_panels(m, k);
-  std::vector<float> sums(BF16 ? group * kBlockRows * kCols : 0);
+  std::vector<float> sums(BF16 ? group * m * kCols : 0);  // bf16: each panel of the group its m x 16 sums
   // ceil(m / 6) tiles of near-equal height (32 rows: 6, 6, 5, 5, 5, 5, not 6 x 5 + 2): a tile of
   // few rows has too few accumulators to cover the FMA latency.
   const int64_t tiles = (m + kRows - 1) / kRows, base = m / tiles, taller = m % tiles;
@@ -434,8 +434,7 @@ void block(float* c, uint16_t* c16, int64_t ldc, const float* a, int64_t m, int6
     for (int64_t k0 = 0; k0 < k; k0 += kc) {
       const int64_t kn = std::min(kc, k - k0);
       for (int64_t p = g0; p < g1; ++p) {
-        float* sp = BF16 ? sums.data() + (p - g0) * kBlockRows * kCols : nullptr;
-        Tile t{BF16 ? sp : c + p * kCols, BF16 ? kCols : ldc, BF16 ? c16 + p * kCols : nullptr, ldc,
+        Tile t{BF16 ? sums.data() + (p - g0) * m * kCols : c + p * kCols, BF16 ? kCols : ldc, BF16 ? c16 + p * kCols : nullptr, ldc,
                bias ? bias + p * kCols : nullptr, static_cast<int>(std::min(kCols, n - p * kCols)), k0 == 0,
                k0 + kn >= k};
         const char* b = wb + p * panel_bytes + k0 / kLine * 64;
