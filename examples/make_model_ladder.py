@@ -20,6 +20,10 @@ import torch
 VOCAB = 49152
 # name -> (transformers model_type, config fields)
 LADDER = {
+    # The default model's shapes (SmolLM2-135M), where its GGUF cannot travel (the GPU check).
+    "smollm2-135m": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                                   rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)),
     "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                    num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
                                    rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-6)),

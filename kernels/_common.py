@@ -43,3 +43,10 @@ def check_same_device(*tensors: torch.Tensor) -> None:
 
 def pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: exact fp32 products for fp32 operands (NVIDIA's default is TF32,
+    about 3 significant digits, which would break an fp32 model's agreement with its reference);
+    TF32 for 16-bit and fp8 models, whose values it holds exactly."""
+    return "ieee" if dtype == torch.float32 else "tf32"

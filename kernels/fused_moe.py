@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check
+from ._common import check, dot_precision
 
 
 def fused_moe_reference(x, w_gate_up, w_down, weights, ids) -> torch.Tensor:
@@ -59,7 +59,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, num_pairs, N, K,
                          stride_am, stride_be, stride_bn, stride_cm,
-                         A_ROWS_PER_ID: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr,
+                         A_ROWS_PER_ID: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -81,7 +81,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, num
         if UPCAST:  # Triton's interpreter gets bf16 dots wrong; fp32 operands there
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc += tl.dot(a, b)
+        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
     if MUL_WEIGHT:
         w = tl.load(w_ptr + rows, mask=valid, other=0.0)
         acc = acc * w[:, None].to(tl.float32)
@@ -97,7 +97,7 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, block_expert, a_rows_per_id: int
     _grouped_gemm_kernel[grid](a, b, c, weights if weights is not None else c, sorted_ids, block_expert,
                                c.shape[0], n, k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
                                A_ROWS_PER_ID=a_rows_per_id, MUL_WEIGHT=weights is not None,
-                               UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
+                               UPCAST=os.environ.get("TRITON_INTERPRET") == "1", DOT_PRECISION=dot_precision(a.dtype),
                                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
 
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check, check_cache, check_same_device
+from ._common import check, check_cache, check_same_device, dot_precision
 
 
 def paged_prefill_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
@@ -42,7 +42,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, len_p
                     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt,
                     stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, QUANT: tl.constexpr):
+                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -76,7 +76,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, len_p
             s_idx = phys * stride_sb + so * stride_ss + kvh
             k = k * tl.load(ks_ptr + s_idx)[:, None]
             v = v * tl.load(vs_ptr + s_idx)[:, None]
-        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_SIZE]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_SIZE]
         if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1)
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         kpos = b * BLOCK_SIZE + so
@@ -89,7 +89,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, len_p
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m = m_new
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + (q_start + mo)[:, None] * stride_ot + head * stride_oh + d[None, :],
@@ -129,5 +129,5 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0, block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=q.shape[1] // kvh, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_M=block_m,
-        WINDOW=window, SOFTCAP=bool(softcap), QUANT=quant)
+        WINDOW=window, SOFTCAP=bool(softcap), QUANT=quant, DOT_PRECISION=dot_precision(q.dtype))
     return out

@@ -93,8 +93,10 @@ def run_hf_generate(hf_model, tokenizer, items: list[WorkloadItem], batch_size: 
     for s in range(0, len(items), batch_size):
         batch = items[s : s + batch_size]
         width = max(len(w.prompt_token_ids) for w in batch)
-        ids = torch.tensor([[pad] * (width - len(w.prompt_token_ids)) + w.prompt_token_ids for w in batch])
-        mask = torch.tensor([[0] * (width - len(w.prompt_token_ids)) + [1] * len(w.prompt_token_ids) for w in batch])
+        ids = torch.tensor([[pad] * (width - len(w.prompt_token_ids)) + w.prompt_token_ids for w in batch],
+                           device=hf_model.device)
+        mask = torch.tensor([[0] * (width - len(w.prompt_token_ids)) + [1] * len(w.prompt_token_ids) for w in batch],
+                            device=hf_model.device)
         n = max(w.output_len for w in batch)
         with torch.inference_mode():
             hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,

@@ -139,6 +139,20 @@ def test_cuda_graph_decode_path_matches_transformers(family_model, reference, mo
     assert g.replays >= 14 and g.padded_rows > 0 and e.counters()["cuda_graph_replays"] == g.replays
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (examples/gpu_check.py runs it)")
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
+def test_greedy_on_cuda_matches_transformers(family_model, reference, cuda_graphs):
+    """The whole CUDA path in fp32 (the Triton store, prefill and decode kernels, decode steps
+    replayed from captured CUDA graphs or run eagerly) against transformers on the CPU."""
+    _, model = family_model
+    ps, ref = reference
+    e = engine(model, device="cuda", dtype="float32", cuda_graphs=cuda_graphs, max_num_seqs=6)
+    assert e.backend.attention == "triton"
+    _assert_match(run(e, ps), ref)
+    assert (e.counters()["cuda_graph_replays"] > 0) == cuda_graphs
+    e.kv_manager.check_all_free()
+
+
 def test_greedy_matches_one_at_a_time(family_model, reference):
     _, model = family_model
     ps, ref = reference
