@@ -11,6 +11,7 @@ that left its window; the full kind keeps everything.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 from ..shapes import cdiv
@@ -21,6 +22,7 @@ from .request import Request
 RUN_SLACK = 128
 # Prefix-cache hit rate (of prompt tokens) above which runs leave cached blocks alone.
 RUN_EVICT_MAX_HIT_RATE = 0.01
+_BLOCK_ID = operator.attrgetter("block_id")
 
 
 @dataclass
@@ -55,6 +57,8 @@ class KVCacheManager:
         self.cache_salt = cache_salt
         self._blocks: dict[str, list[Block | None]] = {}
         self._hashes: dict[str, list[bytes]] = {}
+        # Per request: how many leading blocks of its table cache_blocks has published.
+        self._published: dict[str, int] = {}
         self._swapped: dict[str, list[Block]] = {}
         # Per swapped request: the leading slots of its table that had left the window (None).
         self._swapped_dead: dict[str, int] = {}
@@ -101,8 +105,11 @@ class KVCacheManager:
         return self.pool.num_used_blocks / self.pool.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
+        blocks = self._blocks.get(request_id, ())
+        if not self.window:  # no None slots: map in C, once a step for every running sequence
+            return list(map(_BLOCK_ID, blocks))
         # A freed out-of-window slot reads block 0; attention masks those positions.
-        return [b.block_id if b is not None else 0 for b in self._blocks.get(request_id, ())]
+        return [b.block_id if b is not None else 0 for b in blocks]
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -198,10 +205,12 @@ class KVCacheManager:
                 return PrefixHit(device=[None] * lo + dev[lo:split], cpu=cpu[split:k])
         return PrefixHit()
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> list[int] | None:
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       hit: PrefixHit | None = None) -> list[Block | None] | None:
         """Make room for num_new_tokens more tokens of req (after its prefix hit, or after its
-        swapped-out blocks come back). Returns the block table, or None (changing nothing)
-        when the device pool cannot supply the blocks."""
+        swapped-out blocks come back). Returns the request's table of blocks (the live list, not
+        a copy: block_ids gives the ids), or None (changing nothing) when the device pool cannot
+        supply the blocks."""
         hit = hit or PrefixHit()
         if not self.has_room(req, num_new_tokens, hit):
             return None
@@ -231,7 +240,7 @@ class KVCacheManager:
             self.tier.reloaded_blocks += len(hit.cpu)
             for src, dst in zip(hit.cpu, new):
                 self.pool.cache(dst, src.block_hash)
-        return self.block_ids(req.request_id)
+        return blocks
 
     def _need(self, req: Request, num_new_tokens: int, hit: PrefixHit) -> int:
         """New device blocks allocate_slots takes for num_new_tokens more tokens after the hit."""
@@ -289,12 +298,19 @@ class KVCacheManager:
         take them as its prefix."""
         if not self.pool.enable_caching:
             return
+        rid = req.request_id
         num_full = (req.num_computed_tokens if upto is None else upto) // self.block_size
-        blocks = self._blocks.get(req.request_id, [])
+        done = self._published.get(rid, 0)
+        if num_full <= done:
+            return
+        blocks = self._blocks.get(rid, [])
         hashes = self._block_hashes(req, num_full)
-        for block, h in zip(blocks[:num_full], hashes):
-            if block is not None:
-                self.pool.cache(block, h)
+        for i in range(done, min(num_full, len(blocks))):
+            if blocks[i] is not None:
+                self.pool.cache(blocks[i], hashes[i])
+        # The table's blocks up to here are published (a block keeps its hash while held): later
+        # calls start past them. Reset wherever the table is given up (free, swap out).
+        self._published[rid] = min(num_full, len(blocks))
 
     def _spill(self, block: Block, block_hash: bytes) -> None:
         """The device evicts a cached block: keep a copy in the CPU tier if it has room."""
@@ -321,6 +337,7 @@ class KVCacheManager:
         window's table holds None for the slots that left the window (always a leading run):
         only the live blocks move, and the run's length is kept for the swap-in."""
         blocks = self._blocks.pop(req.request_id, [])
+        self._published.pop(req.request_id, None)
         dead = next((i for i, b in enumerate(blocks) if b is not None), len(blocks))
         blocks = blocks[dead:]
         if dead:
@@ -375,6 +392,7 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         blocks = self._blocks.pop(req.request_id, [])
+        self._published.pop(req.request_id, None)
         self.pool.free([b for b in reversed(blocks) if b is not None])
         self._release_run(req)
         swapped = self._swapped.pop(req.request_id, None)

@@ -1,0 +1,123 @@
+"""Where an engine step's time goes, on any device: the host phases, a Python profile, and (on
+CUDA) how busy the GPU is.
+
+    python examples/profile_engine.py --model FOLDER [--num-prompts 512] [--output-cap 256]
+        [--dtype bfloat16] [--workload prompt-heavy] [--top 30] [--skip-cprofile] [--skip-gpu-trace]
+
+1. phases: milliseconds per step in the scheduler (schedule, update), the runner's input
+   preparation, and the rest of the runner's execute (forward, sampling, the token sync), with
+   the step count and output tok/s, on a fresh engine;
+2. cProfile of a second run, the top functions by own time;
+3. on CUDA, torch.profiler over a third run: the GPU's kernel time as a share of the wall time
+   (a low share means the host, not the GPU, sets the pace) and the top kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+
+def engine_for(args, source, tokenizer, items):
+    from batchgen.config import EngineSpec, ModelSpec
+    from batchgen.llm import Engine
+    from batchgen.models.loader import load_checkpoint
+
+    return Engine(load_checkpoint(source, args.dtype), tokenizer, EngineSpec(max_num_seqs=args.max_num_seqs),
+                  ModelSpec(dtype=args.dtype), model_identity=source.identity,
+                  max_seq_tokens=max(len(w.prompt_token_ids) + w.output_len for w in items))
+
+
+def timed(obj, name: str, key: str, totals: dict) -> None:
+    f = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            totals[key] += time.perf_counter() - t
+
+    setattr(obj, name, wrapper)
+
+
+def run(engine, items) -> tuple[float, int]:
+    from batchgen.bench import workload_requests
+
+    t = time.perf_counter()
+    out = sum(r.completion_tokens for r in engine.generate(workload_requests(items)))
+    return time.perf_counter() - t, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--num-prompts", type=int, default=512)
+    ap.add_argument("--output-cap", type=int, default=256)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--workload", default="prompt-heavy")
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--skip-cprofile", action="store_true")
+    ap.add_argument("--skip-gpu-trace", action="store_true")
+    args = ap.parse_args()
+    from batchgen.models.loader import load_tokenizer, resolve_model
+    from batchgen.workload import sample_workload
+
+    source = resolve_model(args.model)
+    tok = load_tokenizer(source)
+    items = sample_workload(args.workload, tok, args.num_prompts, args.output_cap)
+
+    totals: dict = collections.defaultdict(float)
+    e = engine_for(args, source, tok, items)
+    timed(e.scheduler, "schedule", "schedule", totals)
+    timed(e.scheduler, "update", "update", totals)
+    timed(e.runner, "_prepare", "prepare", totals)
+    timed(e.runner, "execute", "execute", totals)
+    wall, out = run(e, items)
+    steps = e.counters()["steps"]
+    phases = {"schedule": totals["schedule"], "prepare": totals["prepare"],
+              "forward+sample": totals["execute"] - totals["prepare"], "update": totals["update"]}
+    phases["other"] = wall - sum(phases.values())
+    report = {"device": str(e.device), "steps": steps, "output_tok_s": round(out / wall, 1), "wall_s": round(wall, 2),
+              "ms_per_step": {k: round(v / steps * 1e3, 3) for k, v in phases.items()},
+              "graph_replays": e.counters()["cuda_graph_replays"]}
+    print(json.dumps(report), flush=True)
+    del e
+
+    if not args.skip_cprofile:
+        e = engine_for(args, source, tok, items)
+        prof = cProfile.Profile()
+        prof.enable()
+        run(e, items)
+        prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
+        print(s.getvalue(), flush=True)
+        del e
+
+    if torch.cuda.is_available() and not args.skip_gpu_trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        e = engine_for(args, source, tok, items)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            wall, _ = run(e, items)
+        gpu_us = sum(ev.self_device_time_total for ev in p.key_averages() if ev.self_device_time_total > 0)
+        print(f"GPU kernel time {gpu_us / 1e6:.2f} s over a {wall:.2f} s run (profiled): {gpu_us / 1e6 / wall:.0%} busy",
+              flush=True)
+        print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.top), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
