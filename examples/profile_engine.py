@@ -8,7 +8,7 @@ CUDA) how busy the GPU is.
    preparation, and the rest of the runner's execute (forward, sampling, the token sync), with
    the step count and output tok/s, on a fresh engine;
 2. cProfile of a second run, the top functions by own time;
-3. on CUDA, torch.profiler over a third run: the GPU's kernel time as a share of the wall time
+3. on CUDA, torch.profiler over a third run (the first --trace-prompts prompts): the GPU's kernel time as a share of the wall time
    (a low share means the host, not the GPU, sets the pace) and the top kernels.
 """
 from __future__ import annotations
@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--skip-cprofile", action="store_true")
     ap.add_argument("--skip-gpu-trace", action="store_true")
+    ap.add_argument("--trace-prompts", type=int, default=128, help="the first N prompts in the torch.profiler run")
     args = ap.parse_args()
     from batchgen.models.loader import load_tokenizer, resolve_model
     from batchgen.workload import sample_workload
@@ -110,9 +111,10 @@ def main() -> None:
     if torch.cuda.is_available() and not args.skip_gpu_trace:
         from torch.profiler import ProfilerActivity, profile
 
-        e = engine_for(args, source, tok, items)
+        few = items[: args.trace_prompts]
+        e = engine_for(args, source, tok, few)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-            wall, _ = run(e, items)
+            wall, _ = run(e, few)
         gpu_us = sum(ev.self_device_time_total for ev in p.key_averages() if ev.self_device_time_total > 0)
         print(f"GPU kernel time {gpu_us / 1e6:.2f} s over a {wall:.2f} s run (profiled): {gpu_us / 1e6 / wall:.0%} busy",
               flush=True)
