@@ -10,9 +10,10 @@ DIR/gpu_check.json:
     CUDA graphs and eager);
 (b) decode-attention achieved bandwidth as a fraction of measured device copy bandwidth, at
     contexts of 1k, 8k and 32k tokens with batch 64 (Llama-3-8B's KV shape: 8 KV heads, 32 query
-    heads, head_dim 128, bf16);
+    heads, head_dim 128, bf16), for both decode kernels (blockwise and tiled) side by side, and
+    their ratio;
 (c) ShareGPT prompt-heavy end to end in bf16 on the default model's shapes: decode under CUDA
-    graphs (the default), eager, and with an fp8 KV cache; then transformers' padded generate on
+    graphs (the default), eager, with an fp8 KV cache, and with the other decode kernel; then transformers' padded generate on
     the same GPU over the first 64 prompts against ours on the same 64 (a ratio);
 (e) a small random-weight Qwen3-MoE (the Triton fused-MoE kernel) end to end;
 (d) a random-weight Llama-3-8B-shaped bf16 folder (~16 GB, written a tensor at a time), loaded
@@ -77,7 +78,10 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t)  # read + write
 
 
-def decode_bandwidth(ctx: int, batch: int = 64, kvh: int = 8, heads: int = 32, d: int = 128, bs: int = 16) -> float:
+def decode_bandwidth(ctx: int, batch: int = 64, kvh: int = 8, heads: int = 32, d: int = 128, bs: int = 16,
+                     kernels=("blockwise", "tiled"), rounds: int = 3) -> dict[str, float]:
+    """Achieved bytes/s of each decode kernel on the same cache, alternating kernel by kernel
+    (ABAB...) over `rounds`, the best round each."""
     from batchgen.kernels.paged_decode import paged_decode
 
     blocks_per_seq = cdiv(ctx, bs)
@@ -87,15 +91,23 @@ def decode_bandwidth(ctx: int, batch: int = 64, kvh: int = 8, heads: int = 32, d
     tables = torch.randperm(nblocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, heads, d, dtype=torch.bfloat16, device="cuda")
-    for _ in range(3):
-        paged_decode(q, kc, vc, tables, lens, d ** -0.5)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
+    ref = paged_decode(q, kc, vc, tables, lens, d ** -0.5, kernel=kernels[0])
+    for kernel in kernels[1:]:  # the same answer, within bf16 rounding
+        err = (paged_decode(q, kc, vc, tables, lens, d ** -0.5, kernel=kernel).float() - ref.float()).abs().max()
+        assert err < 2e-2, f"decode kernel {kernel} differs from {kernels[0]} by {err:.3g} at ctx {ctx}"
+    best = {k: float("inf") for k in kernels}
     n = 20
-    for _ in range(n):
-        paged_decode(q, kc, vc, tables, lens, d ** -0.5)
-    torch.cuda.synchronize()
-    return 2 * kc.numel() * kc.element_size() * n / (time.perf_counter() - t)
+    for _ in range(rounds):
+        for kernel in kernels:
+            for _ in range(3):
+                paged_decode(q, kc, vc, tables, lens, d ** -0.5, kernel=kernel)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(n):
+                paged_decode(q, kc, vc, tables, lens, d ** -0.5, kernel=kernel)
+            torch.cuda.synchronize()
+            best[kernel] = min(best[kernel], time.perf_counter() - t)
+    return {k: 2 * kc.numel() * kc.element_size() * n / secs for k, secs in best.items()}
 
 
 def bandwidth() -> dict:
@@ -104,9 +116,13 @@ def bandwidth() -> dict:
     rows = {"copy_gb_s": round(bw / 1e9)}
     for ctx in (1024, 8192, 32768):
         got = decode_bandwidth(ctx)
-        print(f"    decode attention ctx {ctx:6d} batch 64: {got / 1e9:.0f} GB/s = {got / bw:.0%} of copy", flush=True)
-        rows[f"decode_ctx{ctx}_gb_s"] = round(got / 1e9)
-        rows[f"decode_ctx{ctx}_of_copy"] = round(got / bw, 3)
+        for kernel, rate in got.items():
+            print(f"    decode attention ({kernel:9s}) ctx {ctx:6d} batch 64: {rate / 1e9:.0f} GB/s = {rate / bw:.0%} of copy",
+                  flush=True)
+            rows[f"decode_{kernel}_ctx{ctx}_gb_s"] = round(rate / 1e9)
+            rows[f"decode_{kernel}_ctx{ctx}_of_copy"] = round(rate / bw, 3)
+        rows[f"decode_ctx{ctx}_tiled_over_blockwise"] = round(got["tiled"] / got["blockwise"], 2)
+        print(f"    tiled / blockwise at ctx {ctx}: {got['tiled'] / got['blockwise']:.2f}", flush=True)
     return rows
 
 
@@ -118,11 +134,21 @@ def end_to_end(source, tokenizer, num_prompts: int) -> dict:
     print(f"    {len(items)} prompts, {sum(len(w.prompt_token_ids) for w in items)} prompt + "
           f"{sum(w.output_len for w in items)} output tokens", flush=True)
     rows = {}
-    for label, kw in (("graphs", {}), ("eager", {"cuda_graphs": False}), ("fp8_kv", {"kv_cache_dtype": "fp8"})):
-        r = run_batchgen(source, tokenizer, items, "bfloat16", source.identity, max_num_seqs=256, **kw).row()
+    from batchgen.kernels import paged_decode as decode_mod
+
+    default_kernel = decode_mod.DEFAULT_DECODE_KERNEL
+    for label, kw, kernel in (("graphs", {}, default_kernel), ("eager", {"cuda_graphs": False}, default_kernel),
+                              ("fp8_kv", {"kv_cache_dtype": "fp8"}, default_kernel),
+                              ("graphs_tiled_decode" if default_kernel != "tiled" else "graphs_blockwise_decode", {},
+                               "tiled" if default_kernel != "tiled" else "blockwise")):
+        decode_mod.DEFAULT_DECODE_KERNEL = kernel  # read at each launch; a fresh engine captures its own graphs
+        try:
+            r = run_batchgen(source, tokenizer, items, "bfloat16", source.identity, max_num_seqs=256, **kw).row()
+        finally:
+            decode_mod.DEFAULT_DECODE_KERNEL = default_kernel
         rows[label] = {k: r[k] for k in ("output_tok_s", "total_tok_s", "wall_s", "ttft_s", "itl_s", "steps",
                                          "preemptions", "attention_backend", "kv_cache_gib")}
-        print(f"    bf16 {label:7s}: {r['output_tok_s']:9.1f} output tok/s, {r['total_tok_s']:9.1f} total tok/s, "
+        print(f"    bf16 {label:24s}: {r['output_tok_s']:9.1f} output tok/s, {r['total_tok_s']:9.1f} total tok/s, "
               f"wall {r['wall_s']:.1f} s, TTFT p50 {r['ttft_s']['p50']} s, ITL p50 {r['itl_s']['p50']} s", flush=True)
     from transformers import AutoModelForCausalLM
 

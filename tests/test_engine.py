@@ -140,10 +140,14 @@ def test_cuda_graph_decode_path_matches_transformers(family_model, reference, mo
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (examples/gpu_check.py runs it)")
+@pytest.mark.parametrize("decode_kernel", ["blockwise", "tiled"])
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
-def test_greedy_on_cuda_matches_transformers(family_model, reference, cuda_graphs):
+def test_greedy_on_cuda_matches_transformers(family_model, reference, cuda_graphs, decode_kernel, monkeypatch):
     """The whole CUDA path in fp32 (the Triton store, prefill and decode kernels, decode steps
     replayed from captured CUDA graphs or run eagerly) against transformers on the CPU."""
+    from batchgen.kernels import paged_decode as decode_mod
+
+    monkeypatch.setattr(decode_mod, "DEFAULT_DECODE_KERNEL", decode_kernel)
     _, model = family_model
     ps, ref = reference
     e = engine(model, device="cuda", dtype="float32", cuda_graphs=cuda_graphs, max_num_seqs=6)

@@ -76,19 +76,37 @@ def test_store_kv_matches_reference_and_skips_padding(shape, dtype):
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
+# (kernel, tile tokens, blocks per split): the blockwise kernel; the tiled one with tiles smaller
+# than, equal to and larger than a block, several tiles to a split, and (3 blocks) splits that
+# are not a whole number of tiles.
+DECODE_VARIANTS = [("blockwise", 64, 2), ("tiled", 16, 4), ("tiled", 64, 3)]
+
+
+def variant_id(v):
+    return v[0] if v[0] == "blockwise" else f"tiled{v[1]}"
+
+
+# The tiled kernel's 16-token tiles run in bf16 only; fp16 tiles run on CUDA only (the interpreter
+# takes its dots in fp32, so there fp16 would repeat bf16).
+@pytest.mark.parametrize("variant,dtype", [(v, t) for v in DECODE_VARIANTS for t in DTYPES
+                                           if v[0] == "blockwise" or t == torch.bfloat16
+                                           or (t == torch.float32 and v[1] != 16)
+                                           or (t == torch.float16 and DEVICE == "cuda")],
+                         ids=lambda x: variant_id(x) if isinstance(x, tuple) else str(x))
 @pytest.mark.parametrize("window", [0, 20], ids=["full", "window20"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_paged_decode(shape, dtype, window):
+def test_paged_decode(shape, dtype, window, variant):
+    kernel, tile, per_split = variant
     kvh, ratio, d, bs = shape
-    lengths = ragged_lengths(bs)
+    lengths = ragged_lengths(bs) + [9 * bs + 3]  # the last spans several splits
     nblocks = sum(cdiv(n, bs) for n in lengths) + 4
     kc, vc = make_cache(nblocks, bs, kvh, d, dtype)
     tables = block_tables_for(lengths, bs, nblocks)
     lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     q = rand(len(lengths), kvh * ratio, d, dtype=dtype, seed=SEED)
     scale = d ** -0.5
-    out = paged_decode(q, kc, vc, tables, lens, scale, blocks_per_split=2, window=window)
+    out = paged_decode(q, kc, vc, tables, lens, scale, blocks_per_split=per_split, window=window, kernel=kernel,
+                       tile=tile)
     ref32 = paged_decode_reference(q.float(), kc.float(), vc.float(), tables, lens, scale, window=window)
     ref_lowp = paged_decode_reference(q, kc, vc, tables, lens, scale, math_dtype=dtype, window=window)
     assert_flash_tolerance(out, ref32, ref_lowp)
@@ -113,6 +131,17 @@ def test_paged_prefill_with_cached_context(shape, dtype, window):
     ref32 = paged_prefill_reference(q.float(), kc.float(), vc.float(), tables, cu, lens, scale, window=window)
     ref_lowp = paged_prefill_reference(q, kc, vc, tables, cu, lens, scale, math_dtype=dtype, window=window)
     assert_flash_tolerance(out, ref32, ref_lowp)
+
+
+def test_decode_launcher_rejects_an_unknown_kernel_and_bad_tiles():
+    kc, vc = make_cache(4, 16, 2, 64, torch.float32)
+    q = rand(2, 4, 64, dtype=torch.float32, seed=0)
+    tables = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
+    lens = torch.ones(2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="'fast' is not one of blockwise, tiled"):
+        paged_decode(q, kc, vc, tables, lens, 0.1, kernel="fast")
+    with pytest.raises(ValueError, match=r"tile \(24\) must be a power of two"):
+        paged_decode(q, kc, vc, tables, lens, 0.1, kernel="tiled", tile=24)
 
 
 def test_block_copy_round_trip():
@@ -204,9 +233,10 @@ def test_store_kv_fp8_quantises_per_token_head_and_skips_padding(shape):
     assert int((scales[0] != 0).sum()) == int(keep.sum()) * kvh
 
 
+@pytest.mark.parametrize("kernel", ["blockwise", "tiled"])
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=shape_id)
-def test_paged_decode_and_prefill_over_an_fp8_cache(shape, qdtype):
+def test_paged_decode_and_prefill_over_an_fp8_cache(shape, qdtype, kernel):
     """Against the fp32 reference over the dequantised cache: the kernels see the same values
     (fp8 -> fp32 is exact, the scale product is one fp32 multiply), so fp32 tolerance holds."""
     from batchgen.kernels.store_kv import dequantize
@@ -220,9 +250,12 @@ def test_paged_decode_and_prefill_over_an_fp8_cache(shape, qdtype):
     lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     scale = d ** -0.5
     q = rand(len(lengths), kvh * ratio, d, dtype=qdtype, seed=SEED)
-    out = paged_decode(q, kc, vc, tables, lens, scale, blocks_per_split=2, k_scale=ks, v_scale=vs)
+    out = paged_decode(q, kc, vc, tables, lens, scale, blocks_per_split=2, k_scale=ks, v_scale=vs, kernel=kernel,
+                       tile=16)
     ref = paged_decode_reference(q.float(), k32, v32, tables, lens, scale)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-5 if qdtype == torch.float32 else 2e-2, rtol=1e-2)
+    if kernel != "blockwise":
+        return  # the prefill kernel has one variant
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=DEVICE)
     qp = rand(int(cu[-1]), kvh * ratio, d, dtype=qdtype, seed=SEED + 1)
     out = paged_prefill(qp, kc, vc, tables, cu, lens, scale, k_scale=ks, v_scale=vs)
@@ -240,10 +273,11 @@ def test_fp8_launchers_want_scales_of_the_cache_shape():
         paged_decode(q, kc, vc, tables, lens, 0.1, k_scale=ks[:, :8], v_scale=vs[:, :8])
 
 
+@pytest.mark.parametrize("kernel", ["blockwise", "tiled"])
 @pytest.mark.parametrize("window", [0, 20], ids=["full", "window20"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[2]], ids=shape_id)
-def test_decode_and_prefill_soft_cap_their_scores(shape, dtype, window):
+def test_decode_and_prefill_soft_cap_their_scores(shape, dtype, window, kernel):
     """Gemma 2's softcap * tanh(score / softcap) inside both kernels: a cap well inside the
     scores' range, so a kernel that skipped it would be far outside the tolerance."""
     kvh, ratio, d, bs = shape
@@ -254,12 +288,15 @@ def test_decode_and_prefill_soft_cap_their_scores(shape, dtype, window):
     tables = block_tables_for(lengths, bs, nblocks)
     lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     q = rand(len(lengths), kvh * ratio, d, dtype=dtype, seed=SEED) * 3
-    out = paged_decode(q, kc, vc, tables, lens, scale, blocks_per_split=2, window=window, softcap=cap)
+    out = paged_decode(q, kc, vc, tables, lens, scale, blocks_per_split=2, window=window, softcap=cap, kernel=kernel,
+                       tile=16)
     ref32 = paged_decode_reference(q.float(), kc.float(), vc.float(), tables, lens, scale, window=window, softcap=cap)
     assert_flash_tolerance(out, ref32, paged_decode_reference(q, kc, vc, tables, lens, scale, math_dtype=dtype,
                                                               window=window, softcap=cap))
     uncapped = paged_decode_reference(q.float(), kc.float(), vc.float(), tables, lens, scale, window=window)
     assert (uncapped - ref32).abs().max() > 0.05  # the cap matters at these scores
+    if kernel != "blockwise":
+        return  # the prefill kernel has one variant
 
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=DEVICE)
     qp = rand(int(cu[-1]), kvh * ratio, d, dtype=dtype, seed=SEED + 1) * 3
