@@ -117,6 +117,22 @@ def test_recompute_after_preemption_replays_prompt_and_outputs():
     assert restarts[0][2] > 8, "its recompute covers the prompt and the tokens it had generated"
 
 
+def test_blocks_recomputed_after_a_preemption_are_published_again():
+    """cache_blocks publishes each block of a table once; a recompute preemption gives the table
+    up, and the blocks computed again must be published again (from the first), or a later
+    prompt that starts the same way would miss them."""
+    s = make(num_blocks=6, block_size=4, caching=True)
+    s.add_request(req("old", 8, max_tokens=8))
+    s.add_request(req("new", 8, max_tokens=8, first=50))
+    run_all(s)
+    new = s.requests["new"]
+    assert new.num_preemptions >= 1
+    s.add_request(Request("again", new.prompt_token_ids + new.output_token_ids[:7] + [5],
+                          SamplingParams(max_tokens=1, temperature=0), eos_token_ids=(EOS,)))
+    out = s.schedule()
+    assert out.seqs[0].start_pos == 12, "3 full blocks of new's recomputed tokens come from the cache"
+
+
 def test_request_that_can_never_fit_ends_with_an_error():
     s = make(num_blocks=4, block_size=4)
     s.add_request(req("huge", 10, max_tokens=10))  # 20 tokens need 5 blocks > 4
