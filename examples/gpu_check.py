@@ -57,12 +57,13 @@ CUDA_TESTS = ["tests/test_kernels.py", "tests/test_families.py::test_fused_moe_k
 def kernel_tests(out: Path) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONSAFEPATH="1")
     workers = str(min(8, os.cpu_count() or 1))
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-n", workers, f"--junitxml={out / 'cuda_tests.xml'}", *CUDA_TESTS], env=env, cwd=HERE.parent,
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-n", workers, "-p", "no:benchmark", f"--junitxml={out / 'cuda_tests.xml'}", *CUDA_TESTS], env=env, cwd=HERE.parent,
                        capture_output=True, text=True)
     (out / "cuda_tests.log").write_text(p.stdout + p.stderr)
-    tail = (p.stdout + p.stderr).strip().splitlines()[-25:]
-    print("\n".join("    " + t for t in tail), flush=True)
-    return {"exit": p.returncode, "summary": tail[-1] if tail else ""}
+    lines = (p.stdout + p.stderr).strip().splitlines()
+    print("\n".join("    " + t for t in lines[-25:]), flush=True)
+    summary = next((t for t in reversed(lines) if " passed" in t or " failed" in t or " error" in t), "")
+    return {"exit": p.returncode, "summary": summary.strip("= ")}
 
 
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:
