@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ._common import check, check_cache, check_same_device, dot_precision, pow2
+from ._jit import soft_cap
 
 
 def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale,
@@ -36,6 +37,31 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scal
 
 
 @triton.jit
+def _group_query(q_ptr, seq, kvh, stride_qs, stride_qh, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+                 HEAD_DIM: tl.constexpr):
+    # The query heads of KV head kvh's GQA group, padded to GROUP_P rows (zeros past GROUP):
+    # (q [GROUP_P, HEAD_DIM] as stored, head indices, mask of the real rows).
+    g = tl.arange(0, GROUP_P)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + g
+    gmask = g < GROUP
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+    return q, heads, gmask
+
+
+@triton.jit
+def _store_split(acc_ptr, m_ptr, l_ptr, acc, m, l, seq, heads, gmask, split, stride_as, stride_ah, stride_ax,
+                 stride_ms, stride_mh, HEAD_DIM: tl.constexpr):
+    # One split's partial results for the reduce kernel: the unnormalised sums, running max and sum.
+    d = tl.arange(0, HEAD_DIM)
+    base = seq * stride_as + heads[:, None] * stride_ah + split * stride_ax + d[None, :]
+    tl.store(acc_ptr + base, acc, mask=gmask[:, None])
+    ml = seq * stride_ms + heads * stride_mh + split
+    tl.store(m_ptr + ml, m, mask=gmask)
+    tl.store(l_ptr + ml, l, mask=gmask)
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, len_ptr, acc_ptr, m_ptr, l_ptr, scale, softcap,
                          stride_qs, stride_qh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt,
                          stride_as, stride_ah, stride_ax, stride_ms, stride_mh,
@@ -53,12 +79,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, len_ptr,
     if WINDOW > 0:
         lo = tl.maximum(ctx - WINDOW, 0)
         first = tl.maximum(first, lo // BLOCK_SIZE)
-    g = tl.arange(0, GROUP_P)
     d = tl.arange(0, HEAD_DIM)
     s_off = tl.arange(0, BLOCK_SIZE)
-    heads = kvh * GROUP + g
-    gmask = g < GROUP
-    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+    q, heads, gmask = _group_query(q_ptr, seq, kvh, stride_qs, stride_qh, GROUP, GROUP_P, HEAD_DIM)
     q = q.to(tl.float32) * scale
     m = tl.full([GROUP_P], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_P], tl.float32)
@@ -73,8 +96,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, len_ptr,
             k = k * tl.load(ks_ptr + s_idx)[:, None]
             v = v * tl.load(vs_ptr + s_idx)[:, None]
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_P, BLOCK_SIZE]
-        if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1)
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+        if SOFTCAP:
+            s = soft_cap(s, softcap)
         kpos = b * BLOCK_SIZE + s_off
         valid = (kpos < ctx) & (kpos >= lo)
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -84,11 +107,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, len_ptr,
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
-    base = seq * stride_as + heads[:, None] * stride_ah + split * stride_ax + d[None, :]
-    tl.store(acc_ptr + base, acc, mask=gmask[:, None])
-    ml = seq * stride_ms + heads * stride_mh + split
-    tl.store(m_ptr + ml, m, mask=gmask)
-    tl.store(l_ptr + ml, l, mask=gmask)
+    _store_split(acc_ptr, m_ptr, l_ptr, acc, m, l, seq, heads, gmask, split, stride_as, stride_ah, stride_ax,
+                 stride_ms, stride_mh, HEAD_DIM)
 
 
 @triton.jit
@@ -99,10 +119,10 @@ def _decode_tile_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, len_ptr, 
                         TILE: tl.constexpr, SPLIT_TOKENS: tl.constexpr, WINDOW: tl.constexpr,
                         SOFTCAP: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
-    """The tiled variant: TILE tokens (several cache blocks, each token's block looked up in the
-    table) a loop step, the group's query heads padded to GROUP_P >= 16 rows so that both
-    products run as tl.dot on tensor cores, in the query's dtype (p rounded to it, as
-    FlashAttention does). More bytes in flight per program than a block a step."""
+    # The tiled variant: TILE tokens (several cache blocks, each token's block looked up in the
+    # table) a loop step, the group's query heads padded to GROUP_P >= 16 rows so that both
+    # products run as tl.dot on tensor cores, in the query's dtype (p rounded to it, as
+    # FlashAttention does). More bytes in flight per program than a block a step.
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -113,12 +133,9 @@ def _decode_tile_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, len_ptr, 
     if WINDOW > 0:
         lo = tl.maximum(ctx - WINDOW, 0)
         first = tl.maximum(first, lo)
-    g = tl.arange(0, GROUP_P)
     d = tl.arange(0, HEAD_DIM)
     t = tl.arange(0, TILE)
-    heads = kvh * GROUP + g
-    gmask = g < GROUP
-    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+    q, heads, gmask = _group_query(q_ptr, seq, kvh, stride_qs, stride_qh, GROUP, GROUP_P, HEAD_DIM)
     dot_dtype = q.dtype
     if UPCAST:  # Triton's interpreter gets 16-bit dots wrong: fp32 operands there
         dot_dtype = tl.float32
@@ -139,8 +156,8 @@ def _decode_tile_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, len_ptr, 
             k = k.to(tl.float32) * tl.load(ks_ptr + s_idx, mask=inside, other=0.0)[:, None]
             v = v.to(tl.float32) * tl.load(vs_ptr + s_idx, mask=inside, other=0.0)[:, None]
         s = tl.dot(q, tl.trans(k.to(dot_dtype)), input_precision=DOT_PRECISION)  # [GROUP_P, TILE]
-        if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1)
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+        if SOFTCAP:
+            s = soft_cap(s, softcap)
         valid = inside & (tok >= lo) & (tok < last)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -150,11 +167,8 @@ def _decode_tile_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, len_ptr, 
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v.to(dot_dtype), input_precision=DOT_PRECISION)
         m = m_new
-    base = seq * stride_as + heads[:, None] * stride_ah + split * stride_ax + d[None, :]
-    tl.store(acc_ptr + base, acc, mask=gmask[:, None])
-    ml = seq * stride_ms + heads * stride_mh + split
-    tl.store(m_ptr + ml, m, mask=gmask)
-    tl.store(l_ptr + ml, l, mask=gmask)
+    _store_split(acc_ptr, m_ptr, l_ptr, acc, m, l, seq, heads, gmask, split, stride_as, stride_ah, stride_ax,
+                 stride_ms, stride_mh, HEAD_DIM)
 
 
 @triton.jit

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ._common import check, check_cache, check_same_device, dot_precision
+from ._jit import soft_cap
 
 
 def paged_prefill_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
@@ -77,8 +78,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, len_p
             k = k * tl.load(ks_ptr + s_idx)[:, None]
             v = v * tl.load(vs_ptr + s_idx)[:, None]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_SIZE]
-        if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1)
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+        if SOFTCAP:
+            s = soft_cap(s, softcap)
         kpos = b * BLOCK_SIZE + so
         visible = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < total)
         if WINDOW > 0:

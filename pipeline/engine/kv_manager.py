@@ -36,6 +36,10 @@ class PrefixHit:
         return len(self.device) + len(self.cpu)
 
 
+# No prefix hit (read only: allocate_slots' fast path asks _need with it).
+_NO_HIT = PrefixHit()
+
+
 @dataclass
 class TierStats:
     swapped_out_blocks: int = 0
@@ -211,10 +215,10 @@ class KVCacheManager:
         swapped-out blocks come back). Returns the request's table of blocks (the live list, not
         a copy: block_ids gives the ids), or None (changing nothing) when the device pool cannot
         supply the blocks."""
-        if hit is None:  # the common step: a running sequence whose last block still has room
+        if hit is None and req.request_id not in self._swapped:
+            # The common step: a running sequence whose last block still has room.
             blocks = self._blocks.get(req.request_id)
-            if (blocks and self.blocks_needed(req.num_computed_tokens + num_new_tokens) <= len(blocks)
-                    and req.request_id not in self._swapped):
+            if blocks and self._need(req, num_new_tokens, _NO_HIT) <= 0:
                 return blocks
         hit = hit or PrefixHit()
         if not self.has_room(req, num_new_tokens, hit):
