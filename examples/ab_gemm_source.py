@@ -42,31 +42,32 @@ CSRC = "kernels/csrc"
 FRAGMENT = "TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m)"
 
 
-def renamed(src: str, name: str) -> str:
-    """gemm_cpu.cpp with its ops registered under torch.ops.<name> instead of batchgen_cpu."""
-    if src.count(FRAGMENT) != 1:
-        raise SystemExit(f"{name}: gemm_cpu.cpp has {src.count(FRAGMENT)} {FRAGMENT} lines, not one to rename")
-    return src.replace(FRAGMENT, f"TORCH_LIBRARY_FRAGMENT({name}, m)")
+def renamed(src: str, name: str, source: str = "gemm_cpu.cpp", marker: str = FRAGMENT) -> str:
+    """A source file with its ops registered under torch.ops.<name> instead of batchgen_cpu."""
+    if src.count(marker) != 1:
+        raise SystemExit(f"{name}: {source} has {src.count(marker)} {marker} lines, not one to rename")
+    return src.replace(marker, marker.replace("batchgen_cpu", name))
 
 
-def build(name: str, files: dict[str, str], where: Path) -> None:
-    """Write gemm_cpu.cpp (its op library renamed to `name`) and cpu_common.h into `where`, then build."""
+def build(name: str, files: dict[str, str], where: Path, source: str = "gemm_cpu.cpp", marker: str = FRAGMENT) -> None:
+    """Write `source` (its op library renamed to `name`) and cpu_common.h into `where`, then build."""
     from torch.utils.cpp_extension import load
 
     where.mkdir(parents=True, exist_ok=True)
-    (where / "gemm_cpu.cpp").write_text(renamed(files["gemm_cpu.cpp"], name))
+    (where / source).write_text(renamed(files[source], name, source, marker))
     (where / "cpu_common.h").write_text(files["cpu_common.h"])
-    load(name=name, sources=[str(where / "gemm_cpu.cpp")], extra_cflags=_FLAGS + [f"-I{where}"],
+    load(name=name, sources=[str(where / source)], extra_cflags=_FLAGS + [f"-I{where}"],
          extra_ldflags=["-fopenmp"], build_directory=str(where), is_python_module=False, verbose=False)
 
 
-def sources_at(rev: str) -> dict[str, str]:
+def sources_at(rev: str, source: str = "gemm_cpu.cpp") -> dict[str, str]:
+    """`source` and cpu_common.h as they were at git revision `rev`."""
     def show(f: str) -> str:
         r = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{CSRC}/{f}"], capture_output=True, text=True)
         if r.returncode:
             raise SystemExit(f"--base {rev}: {r.stderr.strip()}")
         return r.stdout
-    return {f: show(f) for f in ("gemm_cpu.cpp", "cpu_common.h")}
+    return {f: show(f) for f in (source, "cpu_common.h")}
 
 
 def main() -> None:

@@ -13,7 +13,8 @@ DIR/gpu_check.json:
     heads, head_dim 128, bf16), for both decode kernels (blockwise and tiled) side by side, and
     their ratio;
 (c) ShareGPT prompt-heavy end to end in bf16 on the default model's shapes: decode under CUDA
-    graphs (the default), eager, with an fp8 KV cache, and with the other decode kernel; then transformers' padded generate on
+    graphs (the default), eager, both again with torch's layer ops instead of the Triton ones
+    (BATCHGEN_LAYER_OPS=torch), with an fp8 KV cache, and with the other decode kernel; then transformers' padded generate on
     the same GPU over the first 64 prompts against ours on the same 64 (a ratio);
 (e) a small random-weight Qwen3-MoE (the Triton fused-MoE kernel) end to end;
 (d) a random-weight Llama-3-8B-shaped bf16 folder (~16 GB, written a tensor at a time), loaded
@@ -138,15 +139,26 @@ def end_to_end(source, tokenizer, num_prompts: int) -> dict:
     from batchgen.kernels import paged_decode as decode_mod
 
     default_kernel = decode_mod.DEFAULT_DECODE_KERNEL
-    for label, kw, kernel in (("graphs", {}, default_kernel), ("eager", {"cuda_graphs": False}, default_kernel),
-                              ("fp8_kv", {"kv_cache_dtype": "fp8"}, default_kernel),
-                              ("graphs_tiled_decode" if default_kernel != "tiled" else "graphs_blockwise_decode", {},
-                               "tiled" if default_kernel != "tiled" else "blockwise")):
+    torch_ops = {"BATCHGEN_LAYER_OPS": "torch"}  # the layer's norms, RoPE and SiLU-mul as torch ops
+    for label, kw, kernel, env in (("graphs", {}, default_kernel, {}),
+                                   ("eager", {"cuda_graphs": False}, default_kernel, {}),
+                                   ("graphs_torch_layer_ops", {}, default_kernel, torch_ops),
+                                   ("eager_torch_layer_ops", {"cuda_graphs": False}, default_kernel, torch_ops),
+                                   ("fp8_kv", {"kv_cache_dtype": "fp8"}, default_kernel, {}),
+                                   ("graphs_tiled_decode" if default_kernel != "tiled" else "graphs_blockwise_decode",
+                                    {}, "tiled" if default_kernel != "tiled" else "blockwise", {})):
         decode_mod.DEFAULT_DECODE_KERNEL = kernel  # read at each launch; a fresh engine captures its own graphs
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # read when the engine chooses its backend
         try:
             r = run_batchgen(source, tokenizer, items, "bfloat16", source.identity, max_num_seqs=256, **kw).row()
         finally:
             decode_mod.DEFAULT_DECODE_KERNEL = default_kernel
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         rows[label] = {k: r[k] for k in ("output_tok_s", "total_tok_s", "wall_s", "ttft_s", "itl_s", "steps",
                                          "preemptions", "attention_backend", "kv_cache_gib")}
         print(f"    bf16 {label:24s}: {r['output_tok_s']:9.1f} output tok/s, {r['total_tok_s']:9.1f} total tok/s, "

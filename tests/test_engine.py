@@ -73,6 +73,30 @@ def test_greedy_matches_transformers_batched(family_model, reference, linear_pat
     e.kv_manager.check_all_free()
 
 
+def test_triton_layer_ops_forward_matches_transformers(family_model, reference):
+    """The CUDA forward's layer body: the Triton layer ops (kernels/layer_ops.py; here under the
+    interpreter, in fp32) for the norms with their residual adds, RoPE (and Qwen3's q/k norms) and
+    SiLU-mul, through the same _forward_fused the CPU's C++ ops take: greedy equals transformers."""
+    _, model = family_model
+    ps, ref = reference
+    e = engine(model, linear_path="plain", attention_backend="torch")
+    assert not e.model.fused and not e.model.triton_ops
+    e.model.triton_ops = True
+    _assert_match(run(e, ps), ref)
+
+
+def test_cuda_takes_the_triton_layer_ops_unless_told_otherwise(monkeypatch):
+    from batchgen.config import EngineSpec
+    from batchgen.runner.build import choose_backend
+
+    cuda = torch.device("cuda")
+    assert choose_backend(EngineSpec(), cuda, torch.bfloat16, torch.bfloat16).triton_ops
+    assert not choose_backend(EngineSpec(decode_attention="exact"), cuda, torch.bfloat16, torch.bfloat16).triton_ops
+    assert not choose_backend(EngineSpec(attention_backend="torch"), cuda, torch.bfloat16, torch.bfloat16).triton_ops
+    monkeypatch.setenv("BATCHGEN_LAYER_OPS", "torch")
+    assert not choose_backend(EngineSpec(), cuda, torch.bfloat16, torch.bfloat16).triton_ops
+
+
 def test_logits_in_row_chunks_give_the_same_tokens(family_model, reference, monkeypatch):
     """The fused fp32 path takes greedy tokens from bf16 logits verified in fp32, 3 rows at a time
     here (8 prompts), and samples fp32 logits a row at a time: greedy still equals transformers,

@@ -143,3 +143,22 @@ def test_ab_gemm_source_picks_the_avx2_kernels_where_the_build_has_no_avx512():
         ab_gemm_source.pick_kernel("avx512", False, zen3)
     with pytest.raises(SystemExit, match="no AVX2/FMA GEMM"):
         ab_gemm_source.pick_kernel("fma", True, {"base": Lib(), "head": Lib()})
+
+
+def test_ab_attention_source_renames_the_attention_library_and_reads_its_cases():
+    """examples/ab_attention_source.py builds paged_attention_cpu.cpp under its own op library per
+    build (TORCH_LIBRARY, not the GEMMs' FRAGMENT) and reads its cases as NxL or mixed."""
+    import ab_attention_source as aa
+    import ab_gemm_source
+    import pytest
+    import torch
+
+    src = (Path(__file__).resolve().parents[1] / "kernels" / "csrc" / aa.SOURCE).read_text()
+    out = ab_gemm_source.renamed(src, "ab_x", aa.SOURCE, aa.MARKER)
+    assert "TORCH_LIBRARY(ab_x, m)" in out and "TORCH_LIBRARY(batchgen_cpu" not in out
+    g = torch.Generator().manual_seed(0)
+    assert aa.lengths("3x7", g) == [7, 7, 7]
+    mixed = aa.lengths("mixed", g)
+    assert len(mixed) == 256 and 50 <= min(mixed) and max(mixed) < 1200
+    with pytest.raises(SystemExit, match="neither NxL"):
+        aa.lengths("big", g)

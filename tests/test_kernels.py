@@ -305,3 +305,77 @@ def test_decode_and_prefill_soft_cap_their_scores(shape, dtype, window, kernel):
                                     softcap=cap)
     assert_flash_tolerance(out, ref32, paged_prefill_reference(qp, kc, vc, tables, cu, lens, scale, math_dtype=dtype,
                                                                window=window, softcap=cap))
+
+
+# The layer ops (kernels/layer_ops.py) against fp32 torch: math in fp32, one rounding at the end,
+# as the C++ CPU ops they stand in for on CUDA.
+def _layer_tol(dtype):
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layer_add_rms_norm_adds_in_place_then_normalises(dtype):
+    from batchgen.kernels import layer_ops
+
+    base = rand(7, 200, dtype=dtype, seed=1)  # width 200: a masked tail in the 256-wide block
+    h = base[:, :96]  # rows strided: a view into a wider tensor
+    delta = rand(7, 96, dtype=dtype, seed=2)
+    w = (rand(96, dtype=torch.float32, seed=3).abs() + 0.5).to(dtype)
+    h32 = (h.float() + delta.float()).to(dtype).float()  # the residual as stored
+    want = w.float() * h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6)
+    tail = base[:, 96:].clone()
+    got = layer_ops.add_rms_norm(h, delta, w, 1e-6)
+    # h updated in place (within one rounding step: the interpreter's casts truncate), nothing else
+    torch.testing.assert_close(h.float(), h32, rtol=0 if dtype == torch.float32 else torch.finfo(dtype).eps, atol=0)
+    assert torch.equal(base[:, 96:], tail)
+    h32 = h.float()
+    torch.testing.assert_close(got.float(), want, **_layer_tol(dtype))
+    plain = layer_ops.add_rms_norm(h, None, w, 1e-6)
+    assert torch.equal(plain, got) and torch.equal(h.float(), h32)  # no delta: h untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads,dim", [(12, 64), (5, 80)], ids=["12x64", "5x80"])  # 80: a masked half
+def test_layer_rope_in_place_on_a_strided_qk_view(dtype, heads, dim):
+    from batchgen.kernels import layer_ops
+    from batchgen.runner.model import rotate_half
+
+    qkv = rand(9, (heads + 3) * dim, dtype=dtype, seed=4)
+    cos, sin = rand(9, dim, dtype=dtype, seed=5), rand(9, dim, dtype=dtype, seed=6)
+    qk = qkv[:, : heads * dim].view(9, heads, dim)  # rows strided by the V columns after them
+    want = qk.float() * cos.float()[:, None] + rotate_half(qk.float()) * sin.float()[:, None]
+    v_before = qkv[:, heads * dim :].clone()
+    layer_ops.rope_(qk, cos, sin)
+    torch.testing.assert_close(qk.float(), want, **_layer_tol(dtype))
+    assert torch.equal(qkv[:, heads * dim :], v_before)  # V untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_layer_gated_mul(dtype, act):
+    from batchgen.kernels import layer_ops
+
+    inter = 1100  # two 1024-wide column blocks, the second ragged
+    gu = rand(5, 2 * inter, dtype=dtype, seed=7) * 4
+    g, u = gu[:, :inter].float(), gu[:, inter:].float()
+    fn = layer_ops.silu_mul if act == "silu" else layer_ops.gelu_tanh_mul
+    want = (torch.nn.functional.silu(g) if act == "silu" else torch.nn.functional.gelu(g, approximate="tanh")) * u
+    torch.testing.assert_close(fn(gu).float(), want, **_layer_tol(dtype))
+    tails = torch.tensor([[-100.0, -30.0, 0.0, 30.0, 100.0] * 2], device=DEVICE)  # exp overflow stays finite
+    out = fn(tails)
+    assert torch.isfinite(out).all() and abs(out[0, 0].item()) < 1e-30 and out[0, 3].item() == pytest.approx(900.0)
+
+
+def test_layer_ops_refuse_mismatched_shapes():
+    from batchgen.kernels import layer_ops
+
+    with pytest.raises(ValueError, match=r"weight must be \[8\]"):
+        layer_ops.add_rms_norm(torch.randn(2, 8, device=DEVICE), None, torch.ones(7, device=DEVICE), 1e-5)
+    with pytest.raises(ValueError, match="delta"):
+        layer_ops.add_rms_norm(torch.randn(2, 8, device=DEVICE), torch.randn(3, 8, device=DEVICE),
+                               torch.ones(8, device=DEVICE), 1e-5)
+    with pytest.raises(ValueError, match="width must be even"):
+        layer_ops.silu_mul(torch.randn(2, 7, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous heads"):
+        layer_ops.rope_(torch.randn(4, 8, 3, device=DEVICE).transpose(1, 2), torch.randn(4, 8, device=DEVICE),
+                        torch.randn(4, 8, device=DEVICE))

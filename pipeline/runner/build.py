@@ -5,6 +5,7 @@ its figures are the run's.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,9 @@ class Backend:
     linear_path: str
     # The C++ fused layer ops (add+RMSNorm, RoPE, SiLU-mul, greedy argmax) on the CPU fast path.
     fused_ops: bool
+    # The same layer ops as Triton kernels (kernels/layer_ops.py) on CUDA: one launch each where
+    # torch runs 3-8 ops. BATCHGEN_LAYER_OPS=torch keeps torch's ops (the A/B in gpu_check).
+    triton_ops: bool = False
 
 
 def choose_backend(spec, device: torch.device, kv_dtype: torch.dtype, dtype: torch.dtype | None = None) -> Backend:
@@ -117,7 +121,9 @@ def choose_backend(spec, device: torch.device, kv_dtype: torch.dtype, dtype: tor
                           "engine.attention_backend: torch")
     # The exact reference paths (linear_path plain, decode_attention exact) keep torch's own ops.
     fused = attention == "cpu" and linear_path != "plain" and spec.decode_attention == "batched"
-    return Backend(attention, linear_path, fused)
+    triton_ops = (attention == "triton" and spec.decode_attention == "batched"
+                  and os.environ.get("BATCHGEN_LAYER_OPS", "triton") != "torch")
+    return Backend(attention, linear_path, fused, triton_ops)
 
 
 def available_memory_bytes(device: torch.device) -> int:

@@ -118,12 +118,13 @@ def rotary_tables(config, positions: int, layer_type: str | None = None) -> tupl
 
 class CausalLM:
     def __init__(self, checkpoint, dtype: torch.dtype = torch.float32, device: str = "cpu", linear_path: str = "plain",
-                 fused: bool = False, on_layer=None) -> None:
+                 fused: bool = False, on_layer=None, triton_ops: bool = False) -> None:
         """checkpoint: a models.weights.Checkpoint (or a transformers model in memory), read a
         tensor at a time straight into this layout in `dtype` on `device`: the fused QKV and
         gate/up matrices are packed layer by layer, so the host holds one layer's source tensors
-        at most besides the result. fused: the C++ CPU layer ops (the engine's choice). on_layer(i)
-        is called after each layer (a signal check)."""
+        at most besides the result. fused: the C++ CPU layer ops (the engine's choice);
+        triton_ops: the same layer body over the Triton layer ops (CUDA, or the interpreter).
+        on_layer(i) is called after each layer (a signal check)."""
         from ..models.weights import Checkpoint, text_part
 
         ckpt = Checkpoint.of(checkpoint)
@@ -213,6 +214,7 @@ class CausalLM:
                      for kind in per_kind]
         self.cos, self.sin = self.rope[0]
         self.fused = fused
+        self.triton_ops = triton_ops and not fused
 
     def _sparse_moe(self, w, t, lin, p: str, linear_path: str) -> SparseMoE:
         """A sparse layer's router and experts, from transformers' in-memory layout (experts as
@@ -249,7 +251,7 @@ class CausalLM:
         on the fused path, where the sampler converts them). With logits=False it stops at the
         final norm's output [num_sampled, hidden]: `logits()` of row chunks."""
         metas = meta if isinstance(meta, (list, tuple)) else [meta]
-        if self.fused:
+        if self.fused or self.triton_ops:
             h = self._forward_fused(input_ids, positions, metas, kv_caches, sample_idx)
             return self.logits(h) if logits else h
         s = self.shape
@@ -301,15 +303,19 @@ class CausalLM:
         return qk[:, : s.num_heads], qk[:, s.num_heads :], v
 
     def _forward_fused(self, input_ids, positions, metas, kv_caches, sample_idx) -> torch.Tensor:
-        """The same layers with the C++ CPU ops: RMSNorm fused with the residual add before it,
-        rotary embedding in place on the QKV output, SiLU- or GELU-tanh-and-multiply in one pass.
-        Gemma's output norms run through the same op without the add.
+        """The same layers with fused layer ops, the C++ CPU ones or (triton_ops) their Triton
+        twins: RMSNorm fused with the residual add before it, rotary embedding in place on the QKV
+        output, SiLU- or GELU-tanh-and-multiply in one pass. Gemma's output norms run through the
+        same op without the add.
 
         The last layer stores every token's K/V and attends for every token, but its output
         projection, norms and MLP run only for the sampled rows: nothing reads the other rows'
         last hidden states. In a prefill step that skips ~93% of one layer's GEMMs (3-4% of a
         24-32-layer model's prefill FLOPs); each kept row's arithmetic is unchanged."""
-        from batchgen.kernels import cpu_attention as ops
+        if self.triton_ops:
+            from batchgen.kernels import layer_ops as ops
+        else:
+            from batchgen.kernels import cpu_attention as ops
 
         s = self.shape
         n = input_ids.shape[0]
@@ -369,7 +375,10 @@ class CausalLM:
         fp32 dot product for each token that their error bound leaves in reach of the largest
         (batchgen.kernels.cpu_attention.argmax_verified). The token is the fp32 argmax's. mask(logits)
         sets the tokens a constraint disallows to -inf in the bf16 logits first."""
-        from batchgen.kernels import cpu_attention as ops
+        if self.triton_ops:
+            from batchgen.kernels import layer_ops as ops
+        else:
+            from batchgen.kernels import cpu_attention as ops
 
         if self._lm_head_bf16 is None:
             w = self._lm_head_weight.contiguous()
