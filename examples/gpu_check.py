@@ -36,6 +36,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from unittest import mock
 
 os.environ["TRITON_INTERPRET"] = "0"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -148,17 +149,11 @@ def end_to_end(source, tokenizer, num_prompts: int) -> dict:
                                    ("graphs_tiled_decode" if default_kernel != "tiled" else "graphs_blockwise_decode",
                                     {}, "tiled" if default_kernel != "tiled" else "blockwise", {})):
         decode_mod.DEFAULT_DECODE_KERNEL = kernel  # read at each launch; a fresh engine captures its own graphs
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)  # read when the engine chooses its backend
-        try:
-            r = run_batchgen(source, tokenizer, items, "bfloat16", source.identity, max_num_seqs=256, **kw).row()
+        try:  # env is read when the engine chooses its backend
+            with mock.patch.dict(os.environ, env):
+                r = run_batchgen(source, tokenizer, items, "bfloat16", source.identity, max_num_seqs=256, **kw).row()
         finally:
             decode_mod.DEFAULT_DECODE_KERNEL = default_kernel
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         rows[label] = {k: r[k] for k in ("output_tok_s", "total_tok_s", "wall_s", "ttft_s", "itl_s", "steps",
                                          "preemptions", "attention_backend", "kv_cache_gib")}
         print(f"    bf16 {label:24s}: {r['output_tok_s']:9.1f} output tok/s, {r['total_tok_s']:9.1f} total tok/s, "

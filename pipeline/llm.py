@@ -128,7 +128,7 @@ class Engine:
         self.grammars = grammars
         log.info("engine: %s %s, linear=%s, attention=%s%s, KV cache %s blocks x %d tokens = %.2f GiB (%d B/token), "
                  "CPU tier %d blocks = %.2f GiB", self.device, build.dtype_name(self.dtype), backend.linear_path,
-                 backend.attention, " + fused layer ops" if backend.fused_ops else " + Triton layer ops" if backend.triton_ops else "",
+                 backend.attention, f" + {backend.layer_ops} layer ops" if backend.layer_ops else "",
                  self._group_text(), spec.block_size, self.kv_cache.bytes / 2**30, kv.bytes_per_token,
                  kv.num_cpu_blocks, self.kv_cache.cpu_bytes / 2**30)
         self.step_count = 0
@@ -290,7 +290,7 @@ class Engine:
         return {
             "device": str(self.device), "dtype": build.dtype_name(self.dtype),
             "linear_path": self.backend.linear_path, "attention_backend": self.backend.attention,
-            "fused_layer_ops": "cpu" if self.backend.fused_ops else "triton" if self.backend.triton_ops else None,
+            "fused_layer_ops": self.backend.layer_ops,
             "cuda_graph_replays": self.runner.graph_replays,
             "num_kv_blocks": kv.num_blocks, "block_size": self.config.block_size,
             "kv_cache_bytes": self.kv_cache.bytes, "kv_bytes_per_token": kv.bytes_per_token,

@@ -90,7 +90,7 @@ def test_cuda_takes_the_triton_layer_ops_unless_told_otherwise(monkeypatch):
     from batchgen.runner.build import choose_backend
 
     cuda = torch.device("cuda")
-    assert choose_backend(EngineSpec(), cuda, torch.bfloat16, torch.bfloat16).triton_ops
+    assert choose_backend(EngineSpec(), cuda, torch.bfloat16, torch.bfloat16).layer_ops == "triton"
     assert not choose_backend(EngineSpec(decode_attention="exact"), cuda, torch.bfloat16, torch.bfloat16).triton_ops
     assert not choose_backend(EngineSpec(attention_backend="torch"), cuda, torch.bfloat16, torch.bfloat16).triton_ops
     monkeypatch.setenv("BATCHGEN_LAYER_OPS", "torch")

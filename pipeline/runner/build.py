@@ -66,6 +66,11 @@ class Backend:
     # torch runs 3-8 ops. BATCHGEN_LAYER_OPS=torch keeps torch's ops (the A/B in gpu_check).
     triton_ops: bool = False
 
+    @property
+    def layer_ops(self) -> str | None:
+        """Whose fused layer ops the forward takes: "cpu" (C++), "triton", or None (torch's)."""
+        return "cpu" if self.fused_ops else "triton" if self.triton_ops else None
+
 
 def choose_backend(spec, device: torch.device, kv_dtype: torch.dtype, dtype: torch.dtype | None = None) -> Backend:
     """Attention and GEMM paths for the device, model dtype and KV storage, refusing impossible asks."""

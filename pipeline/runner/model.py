@@ -375,10 +375,7 @@ class CausalLM:
         fp32 dot product for each token that their error bound leaves in reach of the largest
         (batchgen.kernels.cpu_attention.argmax_verified). The token is the fp32 argmax's. mask(logits)
         sets the tokens a constraint disallows to -inf in the bf16 logits first."""
-        if self.triton_ops:
-            from batchgen.kernels import layer_ops as ops
-        else:
-            from batchgen.kernels import cpu_attention as ops
+        from batchgen.kernels import cpu_attention as ops
 
         if self._lm_head_bf16 is None:
             w = self._lm_head_weight.contiguous()
