@@ -121,9 +121,10 @@ struct PrefetchCursor {
   const char* at;   // the next line
   const char* end;  // the end of the current run
   int64_t left, run, gap;
-  explicit PrefetchCursor(const Prefetch& pf) : left(pf.lines), run(pf.run), gap(pf.gap) {
-    const int64_t blk = pf.lines > 0 ? pf.first / pf.run : 0, l = pf.lines > 0 ? pf.first % pf.run : 0;
-    at = pf.p + blk * pf.gap + 64 * l;
+  explicit PrefetchCursor(const Prefetch& pf) : at(nullptr), end(nullptr), left(pf.lines), run(pf.run), gap(pf.gap) {
+    if (left <= 0) return;  // nothing to prefetch (the thread's last panel): pf.p may be null
+    const int64_t blk = pf.first / pf.run;
+    at = pf.p + blk * pf.gap + 64 * (pf.first % pf.run);
     end = pf.p + blk * pf.gap + 64 * pf.run;
   }
   inline void next() {
