@@ -33,6 +33,7 @@
 #define BATCHGEN_FMA 1
 #endif
 #if defined(BATCHGEN_AVX512F) || defined(BATCHGEN_FMA)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -304,12 +305,13 @@ struct F32 {
 #endif  // BATCHGEN_AVX512F
 
 #ifdef BATCHGEN_DPBF16
-// bf16 x and weights, one k pair per line (vdpbf16ps), bf16 output.
+// bf16 x and weights, one k pair per line (vdpbf16ps), bf16 output. Bf16L1 also pulls each
+// panel's lines into L1 16 pairs ahead of the walk; Bf16 leaves that to the hardware.
 struct Bf16 {
   using A = uint16_t;
   using C = uint16_t;
   static constexpr int64_t kPerLine = 2;
-  static constexpr bool kL1Prefetch = true;
+  static constexpr bool kL1Prefetch = false;
   static inline __m512 bcast(const uint16_t* row, int64_t l) {
     return _mm512_castsi512_ps(_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(row + 2 * l)));
   }
@@ -322,6 +324,24 @@ struct Bf16 {
     _mm256_mask_storeu_epi16(c, m, (__m256i)_mm512_cvtneps_pbh(v));
   }
 };
+struct Bf16L1 : Bf16 {
+  static constexpr bool kL1Prefetch = true;
+};
+
+// Whether this CPU runs AVX-512 on 256-bit units: AMD family 25 (Zen 4; Zen 3, the same family,
+// has no AVX-512 and never gets here), as workload.half_width_avx512 says on the Python side.
+// There the L1 prefetch cost 0-8% at 4-2,048 rows once the L2 prefetch was spread (Qwen2.5-1.5B,
+// Llama-3.2-1B and SmolLM2's layers, ab_gemm_source), so gemm_bf16 walks Bf16 on it; other
+// AVX512-BF16 CPUs (Zen 5, Cooper Lake), where it was tuned, keep Bf16L1.
+bool half_width_avx512() {
+  static const bool half = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541u) return false;  // "Auth"enticAMD
+    __get_cpuid(1, &a, &b, &c, &d);
+    return ((a >> 8) & 0xFu) + ((a >> 20) & 0xFFu) == 25;
+  }();
+  return half;
+}
 #endif  // BATCHGEN_DPBF16
 
 #ifdef BATCHGEN_FMA
@@ -668,9 +688,14 @@ void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at
   const int64_t m = x.size(0), n = out.size(1) * (act ? 2 : 1);
   if (m == 0 || n == 0) return;
   if (x.size(1) == 0) return bias_only(out, bias);  // no chunks to walk
-  walk<Bf16>(reinterpret_cast<uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(x.data_ptr()), m,
-             x.stride(0), static_cast<const char*>(packed.data_ptr()), packed.size(0), x.size(1), n,
-             bias.has_value() ? bias->data_ptr<float>() : nullptr, static_cast<int>(act));
+  auto* c = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const auto* a = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* w = static_cast<const char*>(packed.data_ptr());
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  if (half_width_avx512())
+    walk<Bf16>(c, a, m, x.stride(0), w, packed.size(0), x.size(1), n, b, static_cast<int>(act));
+  else
+    walk<Bf16L1>(c, a, m, x.stride(0), w, packed.size(0), x.size(1), n, b, static_cast<int>(act));
 #else
   TORCH_CHECK(false, "gemm_bf16: this build has no AVX512-BF16 (check has_dpbf16_gemm first)");
 #endif
