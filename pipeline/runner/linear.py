@@ -20,8 +20,8 @@ Where the ops are built with AVX-512, fp32 weights on `fma` go to our AVX-512 fp
 (gemm_f32_avx512: the dpbf16 kernel's walk with fp32 FMAs, the gate/up activation in its epilogue).
 `auto` picks `fma` for bf16 weights wherever oneDNN cannot take them, and for fp32 weights on CPUs
 with AVX2 and no AVX-512, and on AMD Zen 4, whose AVX-512 runs on 256-bit units: there oneDNN's
-fp32 GEMM ran at 64-85% of the FMA peak at a decode step's 8-32 rows and ours 1.09-1.20x faster
-(0.96-1.0x from 128 rows up). Other AVX-512 CPUs keep oneDNN's fp32 kernels: on a Zen 5 the
+fp32 GEMM ran at 64-85% of the FMA peak at a decode step's 8-32 rows and ours 1.10-1.46x faster at
+8-16 rows since its prefetch cursor (0.95-0.98x from 64 rows up; README, The engine). Other AVX-512 CPUs keep oneDNN's fp32 kernels: on a Zen 5 the
 same walk measured 0.87-1.16x oneDNN's, mostly level.
 """
 from __future__ import annotations
