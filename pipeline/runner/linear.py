@@ -21,8 +21,9 @@ Where the ops are built with AVX-512, fp32 weights on `fma` go to our AVX-512 fp
 `auto` picks `fma` for bf16 weights wherever oneDNN cannot take them, and for fp32 weights on CPUs
 with AVX2 and no AVX-512, and on AMD Zen 4, whose AVX-512 runs on 256-bit units: there oneDNN's
 fp32 GEMM ran at 64-85% of the FMA peak at a decode step's 8-32 rows and ours 1.10-1.46x faster at
-8-16 rows since its prefetch cursor (0.95-0.98x from 64 rows up; README, The engine). Other AVX-512 CPUs keep oneDNN's fp32 kernels: on a Zen 5 the
-same walk measured 0.87-1.16x oneDNN's, mostly level.
+8-16 rows since its prefetch cursor (0.95-0.98x from 64 rows up; README, The engine). Other
+AVX-512 CPUs keep oneDNN's fp32 kernels: on a Zen 5 the same walk measured 0.87-1.16x oneDNN's,
+mostly level (before the cursor; not re-measured there).
 """
 from __future__ import annotations
 
