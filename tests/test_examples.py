@@ -162,3 +162,22 @@ def test_ab_attention_source_renames_the_attention_library_and_reads_its_cases()
     assert len(mixed) == 256 and 50 <= min(mixed) and max(mixed) < 1200
     with pytest.raises(SystemExit, match="neither NxL"):
         aa.lengths("big", g)
+
+
+def test_profile_engine_groups_op_time_by_the_first_inputs_row_count():
+    from types import SimpleNamespace as E
+
+    import profile_engine
+
+    assert [profile_engine.row_bucket([[n, 8]]) for n in (1, 2, 16, 17, 64, 65, 256, 257, 1024, 1025)] == [
+        "1", "2-16", "2-16", "17-64", "17-64", "65-256", "65-256", "257-1024", "257-1024", ">1024"]
+    assert profile_engine.row_bucket([[], [], [40, 3]]) == "17-64"  # the first input that is a tensor
+    assert profile_engine.row_bucket([[], []]) == ""
+    g = "batchgen_cpu::gemm_f32_avx512"  # (out [M, N or N / 2], x [M, K], packed [N / 16, K, 16], bias, act)
+    events = [E(key=g, input_shapes=[[32, 48], [32, 8], [3, 8, 16], [], []], self_cpu_time_total=10.0, count=2),
+              E(key=g, input_shapes=[[20, 24], [20, 8], [3, 8, 16], [], []], self_cpu_time_total=5.0, count=1),
+              E(key=g, input_shapes=[[256, 48], [256, 8], [3, 8, 16], [], []], self_cpu_time_total=40.0, count=1),
+              E(key="aten::empty", input_shapes=[], self_cpu_time_total=1.0, count=7)]
+    assert profile_engine.group_by_rows(events) == {
+        (g, "17-64"): [15.0, 3, 2 * (2 * 32 * 8 * 48) + 2 * 20 * 8 * 48], (g, "65-256"): [40.0, 1, 2 * 256 * 8 * 48],
+        ("aten::empty", ""): [1.0, 7, 0]}
