@@ -12,7 +12,7 @@ CUDA) how busy the GPU is.
 3. on CUDA, torch.profiler over a third run (the first --trace-prompts prompts): the GPU's kernel time as a share of the wall time
    (a low share means the host, not the GPU, sets the pace) and the top kernels;
 4. with --cpu-ops, torch.profiler over the host ops of a run of the first --trace-prompts prompts:
-   self time per op and per row bucket of its first input (a GEMM's rows: 1-16, 17-64, ...), so a
+   self time per op and per row bucket of its first input (a GEMM's rows: 1, 2-16, 17-64, ...), so a
    decode step's small GEMMs and a prefill chunk's large ones show apart, and our packed GEMMs'
    GFLOP/s in each bucket.
 """
