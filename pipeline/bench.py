@@ -139,7 +139,7 @@ def gemm_ceiling(shape, items: list[WorkloadItem], batch: int = 256) -> dict:
     """Measured GEMM FLOP/s at the model's shapes (fp32 and bf16, F.linear, oneDNN, dpbf16 and fma; the best of
     15 calls each), and the output tok/s this workload would reach if it ran at the fastest path's
     rate."""
-    from .runner.linear import Linear, dpbf16_available, fma_available, onednn_available
+    from .runner.linear import Linear, amx_gemm_available, dpbf16_available, fma_available, onednn_available
 
     h, q = shape.hidden_size, shape.num_heads * shape.head_dim
     kv = 2 * shape.num_kv_heads * shape.head_dim
@@ -148,7 +148,7 @@ def gemm_ceiling(shape, items: list[WorkloadItem], batch: int = 256) -> dict:
     rates = {}
     for dtype in (torch.float32, torch.bfloat16):
         # dpbf16 is for bf16 weights only; fma takes both dtypes
-        own = [p for p, ok in (("dpbf16", dpbf16_available), ("fma", fma_available))
+        own = [p for p, ok in (("dpbf16", dpbf16_available), ("amx", amx_gemm_available), ("fma", fma_available))
                if ok() and (dtype == torch.bfloat16 or p == "fma")]
         for path in paths + own:
             flops = secs = 0.0

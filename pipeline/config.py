@@ -127,9 +127,10 @@ class EngineSpec(Strict):
                                                         "prefix blocks; 0 turns it off")
     preemption: Literal["auto", "swap", "recompute"] = Field(
         "auto", description="A preempted request's KV: swap to the CPU tier, recompute later, or auto (by estimated cost)")
-    linear_path: Literal["auto", "plain", "onednn", "dpbf16", "fma"] = Field(
+    linear_path: Literal["auto", "plain", "onednn", "dpbf16", "amx", "fma"] = Field(
         "auto", description="CPU GEMM path; plain is F.linear, onednn oneDNN on packed weights, dpbf16 our "
-                            "AVX512-BF16 GEMM for bf16 weights, fma our AVX2 GEMMs for fp32 and bf16 weights (fp32 on "
+                            "AVX512-BF16 GEMM for bf16 weights, amx our AMX-tile GEMM for bf16 weights (auto on "
+                            "AMX CPUs), fma our AVX2 GEMMs for fp32 and bf16 weights (fp32 on "
                             "our AVX-512 GEMM where the CPU has AVX-512; auto takes fma on AVX2 CPUs without "
                             "AVX-512, and for fp32 on AMD Zen 4)")
     decode_attention: Literal["batched", "exact"] = "batched"

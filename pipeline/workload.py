@@ -150,7 +150,7 @@ def cpu_info() -> dict:
     used = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
             if f in flags]
     return {"model": model, "isa": used,
-            "gemms": "oneDNN (AMX tiles for bf16)" if "amx_bf16" in flags else
+            "gemms": "bf16: batchgen amx (AMX tiles), fp32: oneDNN (AVX-512)" if "amx_bf16" in flags else
             "bf16: batchgen dpbf16 (AVX512-BF16), fp32: "
             + ("batchgen fma (AVX-512, Zen 4)" if half_width_avx512() else "oneDNN (AVX-512)") if "avx512_bf16" in flags else
             "oneDNN (AVX-512)" if "avx512f" in flags else

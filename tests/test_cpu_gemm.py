@@ -1,5 +1,5 @@
-"""Our GEMMs (kernels/csrc/gemm_cpu.cpp: bf16 on dpbf16 (AVX512-BF16) and fma (AVX2), fp32 on fma
-(AVX2) and on AVX-512) against fp32 and float64 matmuls, and where `auto` picks them."""
+"""Our GEMMs (kernels/csrc/gemm_cpu.cpp: bf16 on dpbf16 (AVX512-BF16), amx (AMX tiles) and fma (AVX2),
+fp32 on fma (AVX2) and on AVX-512) against fp32 and float64 matmuls, and where `auto` picks them."""
 import pytest
 import torch
 
@@ -9,6 +9,7 @@ from batchgen.runner.linear import Linear
 needs_op = pytest.mark.skipif(not linear.dpbf16_available(), reason="no AVX512-BF16 build of the C++ ops here")
 needs_fma = pytest.mark.skipif(not linear.fma_available(), reason="no AVX2/FMA build of the C++ ops here")
 needs_avx512 = pytest.mark.skipif(not linear.avx512_f32_available(), reason="no AVX-512 build of the C++ ops here")
+needs_amx = pytest.mark.skipif(not linear.amx_gemm_available(), reason="no AMX build of the C++ ops (or no AMX) here")
 # Every test of the kernels runs on both; an AVX-512 machine runs the fma one too.
 PATHS = [pytest.param("dpbf16", marks=needs_op), pytest.param("fma", marks=needs_fma)]
 # Both fp32 kernels (the fma path takes the AVX-512 one where it is built): an AVX-512 machine runs both.
@@ -49,6 +50,43 @@ def test_gemm_matches_fp32_sums(n, k, m, bias, path):
     err = (out.float() - want).abs()
     tol = 2 ** -7 * want.abs() + 1e-3 * want.abs().max()
     assert bool((err <= tol).all()), f"max error {err.max().item()} at {divmod(int(err.argmax()), n)}"
+
+
+@needs_amx
+# N: a whole 32-column unit, a last unit of one block, a ragged last block; K: one 32-k step, many;
+# M: 1, a ragged 16-row tile, whole tiles, an odd tile count, a ragged tile pair, 256-row calls.
+@pytest.mark.parametrize("n,k", [(64, 32), (48, 1536), (33, 96), (1, 640), (1000, 224)])
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 32, 48, 63, 389])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_gemm_matches_fp32_sums(n, k, m, bias):
+    g = torch.Generator().manual_seed(n * 31 + k + m)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    x = torch.randn(m, k, generator=g).bfloat16()
+    lin = Linear(w, b, "amx")
+    assert lin.path == "amx" and lin.weight.shape == ((n + 15) // 16, k // 2, 16, 2)
+    out = lin(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    want = _ref(x, w, b)
+    err = (out.float() - want).abs()
+    tol = 2 ** -7 * want.abs() + 1e-3 * want.abs().max()
+    assert bool((err <= tol).all()), f"max error {err.max().item()} at {divmod(int(err.argmax()), n)}"
+    # the rows of a strided view (a [.., 2K] buffer's first K columns) give the same output
+    wide = torch.cat([x, torch.full_like(x, float("nan"))], dim=1)[:, :k]
+    assert torch.equal(lin(wide), out)
+
+
+@needs_amx
+def test_amx_takes_k_in_32s_only_and_refuses_bad_args():
+    w = (torch.randn(64, 48) * 0.05).bfloat16()
+    assert Linear(w, None, "amx").path == "onednn"  # K = 48: the linear stays on oneDNN
+    ops = torch.ops.batchgen_cpu
+    packed = ops.pack_bf16_weight(w)
+    with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
+        ops.gemm_bf16_amx(torch.empty(2, 64, dtype=torch.bfloat16), torch.randn(2, 48).bfloat16(), packed, None, 0)
+    with pytest.raises(RuntimeError, match="act is 0"):
+        ops.gemm_bf16_amx(torch.empty(2, 64, dtype=torch.bfloat16), torch.randn(2, 64).bfloat16(),
+                          ops.pack_bf16_weight((torch.randn(64, 64) * 0.05).bfloat16()), None, 3)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -254,6 +292,7 @@ def test_onednn_without_bf16_kernels_takes_fma(monkeypatch):
 
 def test_auto_takes_dpbf16_only_without_amx(monkeypatch):
     from batchgen.config import EngineSpec
+    from batchgen.errors import ConfigError
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(linear, "onednn_bf16_available", lambda: True)
@@ -263,12 +302,16 @@ def test_auto_takes_dpbf16_only_without_amx(monkeypatch):
     assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16).linear_path == "dpbf16"
     assert build.choose_backend(EngineSpec(), cpu, torch.float32, torch.float32).linear_path in ("onednn", "plain")
     monkeypatch.setattr(linear, "cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
+    monkeypatch.setattr(linear, "amx_gemm_available", lambda: True)
+    assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16).linear_path == "amx"
+    assert build.choose_backend(EngineSpec(), cpu, torch.float32, torch.float32).linear_path in ("onednn", "plain")
+    monkeypatch.setattr(linear, "amx_gemm_available", lambda: False)  # no AMX build of our ops (or the OS refused)
     assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16).linear_path == "onednn"
+    with pytest.raises(ConfigError, match="engine.linear_path: amx"):
+        build.choose_backend(EngineSpec(linear_path="amx"), cpu, torch.bfloat16)
     monkeypatch.setattr(linear, "dpbf16_available", lambda: False)
     monkeypatch.setattr(linear, "cpu_flags", lambda: {"avx512f"})
     assert build.choose_backend(EngineSpec(), cpu, torch.bfloat16).linear_path in ("onednn", "plain")
-    from batchgen.errors import ConfigError
-
     with pytest.raises(ConfigError, match="engine.linear_path: dpbf16"):
         build.choose_backend(EngineSpec(linear_path="dpbf16"), cpu, torch.bfloat16)
 
@@ -302,13 +345,15 @@ def test_auto_takes_fma_where_onednn_has_no_bf16(monkeypatch):
         build.choose_backend(EngineSpec(linear_path="fma"), cpu, torch.bfloat16, torch.bfloat16)
 
 
-@needs_op
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-# I: one 64-column tile pair, a last tile of one gate/up pair (I % 32 == 16); K over one L2 chunk;
-# M: 1, a 6-row tail, many tiles; with and without bias.
-@pytest.mark.parametrize("inter,k,m,bias", [(32, 64, 1, False), (48, 4100, 13, True), (2240, 1536, 37, True),
-                                           (96, 128, 300, False)])
-def test_gated_gemm_equals_gemm_then_activation(act, inter, k, m, bias):
+# I: one 64-column tile pair, a last tile of one gate/up pair (I % 32 == 16); K over one L2 chunk
+# (dpbf16; amx takes K in 32s); M: 1, a 6-row tail, many tiles; with and without bias.
+@pytest.mark.parametrize("path,inter,k,m,bias", [
+    pytest.param("dpbf16", 32, 64, 1, False, marks=needs_op), pytest.param("dpbf16", 48, 4100, 13, True, marks=needs_op),
+    pytest.param("dpbf16", 2240, 1536, 37, True, marks=needs_op), pytest.param("dpbf16", 96, 128, 300, False, marks=needs_op),
+    pytest.param("amx", 32, 64, 1, False, marks=needs_amx), pytest.param("amx", 48, 4096, 13, True, marks=needs_amx),
+    pytest.param("amx", 2240, 1536, 37, True, marks=needs_amx), pytest.param("amx", 96, 128, 300, False, marks=needs_amx)])
+def test_gated_gemm_equals_gemm_then_activation(path, act, inter, k, m, bias):
     """gemm_bf16's gated epilogue gives what the plain GEMM followed by silu_mul / gelu_tanh_mul gives
     (the same fp32 sums rounded to bf16, the same activation), up to one bf16 step where -ffast-math
     orders the activation's products differently."""
@@ -318,7 +363,7 @@ def test_gated_gemm_equals_gemm_then_activation(act, inter, k, m, bias):
     w = (torch.randn(2 * inter, k, generator=g) * 0.05).bfloat16()
     b = torch.randn(2 * inter, generator=g).bfloat16() if bias else None
     x = torch.randn(m, k, generator=g).bfloat16()
-    plain, fused = Linear(w, b, "dpbf16"), Linear(w, b, "dpbf16", gated=act)
+    plain, fused = Linear(w, b, path), Linear(w, b, path, gated=act)
     assert plain.fused_act is None and fused.fused_act == act
     want = (ops.silu_mul if act == "silu" else ops.gelu_tanh_mul)(plain(x))
     got = fused(x)
@@ -346,6 +391,7 @@ def test_interleave_gate_up_alternates_16_row_blocks():
 
 
 @pytest.mark.parametrize("path,dtype", [pytest.param("dpbf16", torch.bfloat16, marks=needs_op),
+                                        pytest.param("amx", torch.bfloat16, marks=needs_amx),
                                         pytest.param("fma", torch.bfloat16, marks=needs_fma),
                                         pytest.param("fma", torch.float32, marks=needs_fma)])
 def test_out_rows_are_written_in_place(path, dtype):
@@ -369,6 +415,7 @@ def test_out_rows_are_written_in_place(path, dtype):
 
 
 @pytest.mark.parametrize("path,dtype", [pytest.param("dpbf16", torch.bfloat16, marks=needs_op),
+                                        pytest.param("amx", torch.bfloat16, marks=needs_amx),
                                         pytest.param("fma", torch.bfloat16, marks=needs_fma),
                                         pytest.param("fma", torch.float32, marks=needs_fma)])
 @pytest.mark.parametrize("rows", [385, 600])  # over the untiled limit: a ragged last tile
@@ -395,11 +442,12 @@ def test_dense_mlp_tiles_write_the_output_rows(path, dtype, rows):
 
 
 @pytest.mark.parametrize("path,dtype,op", [pytest.param("dpbf16", torch.bfloat16, "gemm_bf16", marks=needs_op),
+                                           pytest.param("amx", torch.bfloat16, "gemm_bf16_amx", marks=needs_amx),
                                            pytest.param("fma", torch.float32, "gemm_f32_avx512", marks=needs_avx512)])
 @pytest.mark.parametrize("rows,calls", [(384, [384]), (385, [256, 129]), (1000, [256, 256, 256, 232])])
 @pytest.mark.parametrize("bias", [False, True])
 def test_avx512_gemms_run_a_prefill_sized_call_in_256_row_blocks(path, dtype, op, rows, calls, bias):
-    """Over 384 rows (a prefill step's QKV or output projection) the dpbf16 Linear, and the fp32
+    """Over 384 rows (a prefill step's QKV or output projection) the dpbf16 and amx Linears, and the fp32
     one on the AVX-512 op, call the GEMM on 256-row blocks of x and of its output, with exactly the
     values of one call over all rows (each row's sums do not depend on the other rows)."""
     g = torch.Generator().manual_seed(13)

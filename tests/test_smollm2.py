@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 from batchgen.cli import app
 from batchgen.engine.request import SamplingParams
 from batchgen.llm import Engine, GenerationRequest
-from batchgen.runner.linear import dpbf16_available, fma_available, onednn_bf16_available
+from batchgen.runner.linear import amx_gemm_available, dpbf16_available, fma_available, onednn_bf16_available
 from batchgen.workload import sample_sharegpt
 from conftest import REPO
 from helpers import engine_specs, read_output
@@ -89,11 +89,14 @@ def check_logprobs_close(ours, ref) -> int:
                                   pytest.param(dict(dtype="bfloat16", linear_path="dpbf16", decode_attention="batched"),
                                                marks=pytest.mark.skipif(not dpbf16_available(),
                                                                         reason="no AVX512-BF16 here")),
+                                  pytest.param(dict(dtype="bfloat16", linear_path="amx", decode_attention="batched"),
+                                               marks=pytest.mark.skipif(not amx_gemm_available(),
+                                                                        reason="no AMX here")),
                                   # where it is auto's bf16 path (the kernel runs everywhere in test_cpu_gemm)
                                   pytest.param(dict(dtype="bfloat16", linear_path="fma", decode_attention="batched"),
                                                marks=pytest.mark.skipif(onednn_bf16_available() or not fma_available(),
                                                                         reason="oneDNN takes bf16 here"))],
-                         ids=["fp32-onednn", "bf16-onednn", "bf16-dpbf16", "bf16-fma"])
+                         ids=["fp32-onednn", "bf16-onednn", "bf16-dpbf16", "bf16-amx", "bf16-fma"])
 def test_fast_paths_are_close_to_transformers(hf_model, smol_tokenizer, workload, reference, path, record_property):
     ours = generate(hf_model, smol_tokenizer, workload, **path)
     exact = check_logprobs_close(ours, reference)

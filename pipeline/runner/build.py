@@ -77,28 +77,33 @@ def choose_backend(spec, device: torch.device, kv_dtype: torch.dtype, dtype: tor
     from batchgen.kernels import cpu_attention
 
     from .linear import (
+        amx_gemm_available,
         dpbf16_available,
-        dpbf16_preferred,
         fma_available,
         fma_f32_preferred,
         onednn_available,
         onednn_bf16_available,
+        own_bf16_path,
     )
 
     linear_path = spec.linear_path
     cpu = device.type == "cpu"
     if linear_path == "auto":
-        # fp32: our fma GEMM on AVX2 CPUs without AVX-512, else oneDNN. bf16: dpbf16 without AMX, else
-        # oneDNN where it has bf16 kernels (or ours are not built), else (AVX2-only CPUs) our fma GEMM.
+        # fp32: our fma GEMM on AVX2 CPUs without AVX-512, else oneDNN. bf16: amx on AMX CPUs, dpbf16 on
+        # other AVX512-BF16 ones, else oneDNN where it has bf16 kernels (or ours are not built), else
+        # (AVX2-only CPUs) our fma GEMM.
         linear_path = "plain" if not cpu else (
             ("fma" if fma_f32_preferred() else "onednn" if onednn_available() else "plain")
             if dtype == torch.float32 else
-            "dpbf16" if dpbf16_preferred() else
+            own_bf16_path() or
             "onednn" if onednn_available() and (onednn_bf16_available() or not fma_available()) else
             "fma" if fma_available() else "plain")
     elif linear_path == "dpbf16" and cpu and not dpbf16_available():
         raise ConfigError("engine.linear_path: dpbf16 needs a CPU with AVX512-BF16 and the C++ ops "
                           "(use auto, fma or onednn)")
+    elif linear_path == "amx" and cpu and not amx_gemm_available():
+        raise ConfigError("engine.linear_path: amx needs a CPU with AMX-BF16 (and an OS that grants it) and the C++ "
+                          "ops (use auto, dpbf16 or onednn)")
     elif linear_path == "fma" and cpu and not fma_available():
         raise ConfigError("engine.linear_path: fma needs a CPU with AVX2 and FMA and the C++ ops (use auto or onednn)")
     elif linear_path == "onednn" and cpu and dtype == torch.bfloat16 and not onednn_bf16_available():

@@ -7,8 +7,15 @@ products. `plain` keeps F.linear: it is the exact reference path.
 `dpbf16` is our own bf16 GEMM (kernels/csrc/gemm_cpu.cpp) for CPUs with AVX512-BF16 and no AMX
 (AMD Zen 4/5, Intel Cooper Lake): at a decode step's tens of rows oneDNN stalls on the weight
 stream, and this kernel prefetches the next weight panel while it computes the current one.
-Weights that are not bf16 (an fp32 model) stay on oneDNN under it. On AMX CPUs oneDNN's AMX
-tiles are several times faster, so `auto` never picks it there.
+Weights that are not bf16 (an fp32 model) stay on oneDNN under it. On AMX CPUs tiles are several
+times faster, so `auto` never picks it there.
+
+`amx` is our bf16 GEMM on AMX tiles (Intel Sapphire Rapids and later; kernels/csrc/gemm_cpu.cpp,
+gemm_bf16_amx), on dpbf16's packed weight, for K a multiple of 32 (other linears stay on oneDNN).
+oneDNN's AMX kernels ran a decode step's 1-32 rows at 8-12 GB/s of weight stream on Qwen2.5-1.5B's
+shapes (2 cores), as slowly as 64 rows; this one ran them 1.7-1.9x faster, 1.16-1.24x at 48-64 rows
+and 0.97-0.99x at 128-256 (`examples/bench_gemm_rows.py --paths onednn,amx`), and applies the MLP's
+gate/up activation in its epilogue. `auto` takes it for bf16 weights on AMX CPUs.
 
 `fma` is our GEMM for AVX2 CPUs without AVX-512 (AMD Zen 2/3, Intel client parts), for both weight
 dtypes. bf16: oneDNN has no bf16 kernels there (its weight reorder refuses bf16) and F.linear's
@@ -65,6 +72,15 @@ def avx512_f32_available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def amx_gemm_available() -> bool:
+    """Whether the amx GEMM runs here: the C++ ops built with AMX-BF16 (-march=native) and the OS
+    granting this process AMX tile data."""
+    from batchgen.kernels import cpu_attention
+
+    return cpu_attention.available() and bool(torch.ops.batchgen_cpu.has_amx_gemm())
+
+
+@functools.lru_cache(maxsize=None)
 def onednn_bf16_available() -> bool:
     """Whether oneDNN has bf16 kernels on this CPU (AVX512-BW/VL/DQ, AVX-NE-CONVERT or AMX)."""
     return onednn_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -80,8 +96,17 @@ def fma_f32_preferred() -> bool:
 
 
 def dpbf16_preferred() -> bool:
-    """Whether `auto` takes dpbf16: it runs here and the CPU has no AMX (where oneDNN uses AMX tiles)."""
+    """Whether `auto` takes dpbf16: it runs here and the CPU has no AMX (where the amx GEMM, else
+    oneDNN's AMX kernels, run bf16)."""
     return "amx_bf16" not in cpu_flags() and dpbf16_available()
+
+
+def own_bf16_path() -> str | None:
+    """Our GEMM that `auto` puts bf16 weights on where it runs: amx on AMX CPUs, dpbf16 on other
+    AVX512-BF16 CPUs; None elsewhere (oneDNN, or fma on AVX2 CPUs)."""
+    if "amx_bf16" in cpu_flags() and amx_gemm_available():
+        return "amx"
+    return "dpbf16" if dpbf16_preferred() else None
 
 
 # gate/up activations the dpbf16 GEMM can apply in its epilogue (the op's `act`)
@@ -128,13 +153,15 @@ class Linear:
         f32 = cpu and weight.dtype == torch.float32
         if path == "dpbf16" and not (packable and dpbf16_available()):
             path = "onednn"
+        if path == "amx" and not (packable and self.in_features % 32 == 0 and amx_gemm_available()):
+            path = "onednn"
         if path == "fma" and not ((packable or f32) and fma_available()):
             path = "onednn"
         if path == "onednn" and cpu and weight.dtype == torch.bfloat16 and not onednn_bf16_available():
             path = "fma" if packable and fma_available() else "plain"  # oneDNN refuses bf16 here
         self.path = path
-        self._tiled = path == "dpbf16"  # ROW_TILE-row calls: the AVX-512 kernels' panel walk reads all of x per panel
-        if path in ("dpbf16", "fma"):
+        self._tiled = path in ("dpbf16", "amx")  # ROW_TILE-row calls: the panel walks read all of x per panel
+        if path in ("dpbf16", "fma", "amx"):
             ops = torch.ops.batchgen_cpu
             if f32 and avx512_f32_available():  # fma's fp32 GEMM on AVX-512, the gate/up activation in its epilogue
                 if gated in GATED_ACTS and self.out_features % 32 == 0:
@@ -148,14 +175,15 @@ class Linear:
                 self.weight = ops.pack_f32_weight(weight.contiguous())
             elif f32:  # fma's fp32 GEMM on AVX2
                 self._op, self.weight = ops.gemm_f32_fma, ops.pack_f32_weight(weight.contiguous())
-            elif path == "dpbf16" and gated in GATED_ACTS and self.out_features % 32 == 0:
+            elif path in ("dpbf16", "amx") and gated in GATED_ACTS and self.out_features % 32 == 0:
                 act = GATED_ACTS[gated]
                 self.fused_act = gated
-                self._op = lambda out, x, w, b: ops.gemm_bf16(out, x, w, b, act)
+                gemm = ops.gemm_bf16 if path == "dpbf16" else ops.gemm_bf16_amx
+                self._op = lambda out, x, w, b: gemm(out, x, w, b, act)
                 self.weight = ops.pack_bf16_weight(interleave_gate_up(weight).contiguous())
                 bias = interleave_gate_up(bias) if bias is not None else None
             else:
-                self._op = ops.gemm_bf16 if path == "dpbf16" else ops.gemm_bf16_fma
+                self._op = {"dpbf16": ops.gemm_bf16, "amx": ops.gemm_bf16_amx}.get(path, ops.gemm_bf16_fma)
                 self.weight = ops.pack_bf16_weight(weight.contiguous())
             self.weight = on_huge_pages(self.weight)
             self._bias32 = bias.float().contiguous() if bias is not None else None
@@ -168,7 +196,7 @@ class Linear:
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """out: where to write y (e.g. rows of a larger output). The packed paths write into it when
         it is contiguous and of the weight's dtype; otherwise y is copied into it."""
-        if self.path in ("dpbf16", "fma"):
+        if self.path in ("dpbf16", "fma", "amx"):
             x2 = x.reshape(-1, x.shape[-1])
             dt = self.weight.dtype  # fp32 (gemm_f32_fma) or bf16 (packed as bf16)
             if x2.stride(-1) != 1 or x2.dtype != dt:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..errors import ConfigError
 from ..shapes import ModelShape, rope_kind, rope_parameters
 from .attention import AttentionMetadata, paged_attention
-from .linear import Linear, dpbf16_preferred
+from .linear import Linear, own_bf16_path
 from .moe import DenseMLP, SparseMoE, silu_mul_reference
 
 
@@ -379,7 +379,7 @@ class CausalLM:
 
         if self._lm_head_bf16 is None:
             w = self._lm_head_weight.contiguous()
-            path = "dpbf16" if dpbf16_preferred() else "onednn"
+            path = own_bf16_path() or "onednn"
             self._lm_head_bf16 = (Linear(w.to(torch.bfloat16), None, path), w,
                                   (w.double().norm(dim=1) * (1 + 1e-6)).to(torch.float32))
         lin, w, wnorm = self._lm_head_bf16
