@@ -37,6 +37,12 @@ def _ref(x, w, b):
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 64])  # full 6-row tiles and every tail
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemm_matches_fp32_sums(n, k, m, bias, path):
+    _check_fp32_sums(path, n, k, m, bias)
+
+
+def _check_fp32_sums(path: str, n: int, k: int, m: int, bias: bool) -> tuple[Linear, torch.Tensor, torch.Tensor]:
+    """A bf16 Linear on `path` (packed as pack_bf16_weight packs) against fp32 sums of random
+    [m, k] x [n, k] inputs; returns (the Linear, x, its output)."""
     g = torch.Generator().manual_seed(n * 31 + k + m)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
@@ -50,6 +56,7 @@ def test_gemm_matches_fp32_sums(n, k, m, bias, path):
     err = (out.float() - want).abs()
     tol = 2 ** -7 * want.abs() + 1e-3 * want.abs().max()
     assert bool((err <= tol).all()), f"max error {err.max().item()} at {divmod(int(err.argmax()), n)}"
+    return lin, x, out
 
 
 @needs_amx
@@ -59,18 +66,7 @@ def test_gemm_matches_fp32_sums(n, k, m, bias, path):
 @pytest.mark.parametrize("m", [1, 7, 16, 17, 32, 48, 63, 389])
 @pytest.mark.parametrize("bias", [False, True])
 def test_amx_gemm_matches_fp32_sums(n, k, m, bias):
-    g = torch.Generator().manual_seed(n * 31 + k + m)
-    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
-    b = torch.randn(n, generator=g).bfloat16() if bias else None
-    x = torch.randn(m, k, generator=g).bfloat16()
-    lin = Linear(w, b, "amx")
-    assert lin.path == "amx" and lin.weight.shape == ((n + 15) // 16, k // 2, 16, 2)
-    out = lin(x)
-    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-    want = _ref(x, w, b)
-    err = (out.float() - want).abs()
-    tol = 2 ** -7 * want.abs() + 1e-3 * want.abs().max()
-    assert bool((err <= tol).all()), f"max error {err.max().item()} at {divmod(int(err.argmax()), n)}"
+    lin, x, out = _check_fp32_sums("amx", n, k, m, bias)
     # the rows of a strided view (a [.., 2K] buffer's first K columns) give the same output
     wide = torch.cat([x, torch.full_like(x, float("nan"))], dim=1)[:, :k]
     assert torch.equal(lin(wide), out)

@@ -161,6 +161,15 @@ struct Out {
   int act;          // 0: plain; 1 / 2: gated (blocks alternate gate, up): c gets silu / gelu_tanh(gate) * up
 };
 
+// act(gate) * up for 16 columns from the gate and up sums and their biases, each rounded as S stores
+// it (as silu_mul / gelu_tanh_mul would read a stored gate/up): the gated epilogues of the walk's
+// tiles and of gemm_bf16_amx.
+template <class S>
+inline __attribute__((always_inline)) __m512 gated16(__m512 gate, __m512 up, __m512 bg, __m512 bu, int act) {
+  const __m512 g = S::gate_in(_mm512_add_ps(gate, bg)), u = S::gate_in(_mm512_add_ps(up, bu));
+  return _mm512_mul_ps(act == 1 ? batchgen_cpu::silu16(g) : batchgen_cpu::gelu_tanh16(g), u);
+}
+
 // Out of line: inlined into rows(), the 5-row bf16 tiles ran at half speed, and GCC's choice of
 // which tiles to inline moved the rate by up to 25% at 16 rows.
 template <class S, int MR, int NB>
@@ -197,11 +206,8 @@ __attribute__((noinline)) void tile(const typename S::A* a, int64_t lda, const c
       for (int j = 0; j < NB; j += 2) {
         const __m512 bg = o.bias ? _mm512_loadu_ps(o.bias + j * kCols) : _mm512_setzero_ps();
         const __m512 bu = o.bias ? _mm512_loadu_ps(o.bias + (j + 1) * kCols) : _mm512_setzero_ps();
-        for (int i = 0; i < MR; ++i) {
-          const __m512 g = S::gate_in(_mm512_add_ps(acc[i][j], bg)), u = S::gate_in(_mm512_add_ps(acc[i][j + 1], bu));
-          S::store(o.c + i * o.ldc + j / 2 * kCols, 0xFFFF,
-                   _mm512_mul_ps(o.act == 1 ? batchgen_cpu::silu16(g) : batchgen_cpu::gelu_tanh16(g), u));
-        }
+        for (int i = 0; i < MR; ++i)
+          S::store(o.c + i * o.ldc + j / 2 * kCols, 0xFFFF, gated16<S>(acc[i][j], acc[i][j + 1], bg, bu, o.act));
       }
       return;
     }
@@ -746,16 +752,17 @@ struct alignas(64) TileConfig {
 template <bool TWO, int NB>
 __attribute__((noinline)) void amx_unit(const char* a0, int64_t lda0, const char* a1, int64_t lda1, const char* wb,
                                         int64_t bstride, int64_t steps, const char* pf, const char* pf_next,
-                                        int64_t pf_run, float* cbuf) {
+                                        float* cbuf) {
   _tile_zero(0);
   if (NB == 2) _tile_zero(1);
   if (TWO) _tile_zero(2);
   if (TWO && NB == 2) _tile_zero(3);
   for (int64_t s = 0; s < steps; ++s) {
-    // the weights kPfSteps ahead: this unit's, else the next unit's first steps
+    // the weights kPfSteps ahead: this unit's (pf), else the next unit's first steps (pf_next); either
+    // may be null (nothing to prefetch)
     const int64_t ps = s + kPfSteps;
     const char* p = ps < steps ? (pf ? pf + ps * 1024 : nullptr)
-                               : (pf_next && ps - steps < pf_run ? pf_next + (ps - steps) * 1024 : nullptr);
+                               : (pf_next && ps - steps < steps ? pf_next + (ps - steps) * 1024 : nullptr);
     if (p)
       for (int j = 0; j < NB; ++j)
         for (int l = 0; l < 16; ++l) _mm_prefetch(p + j * bstride + l * 64, _MM_HINT_T1);
@@ -804,7 +811,6 @@ void gemm_amx(uint16_t* c, const uint16_t* a, int64_t m, int64_t lda, const char
       const int64_t blk0 = 2 * u, nb = std::min<int64_t>(2, nblk - blk0);
       const char* wb = w + blk0 * bstride;
       const char* next = u + 1 < end ? wb + 2 * bstride : nullptr;
-      const int64_t next_run = u + 1 < end ? std::min<int64_t>(kPfSteps, steps) : 0;
       for (int64_t t = 0; t < tiles; t += 2) {
         int64_t ld0 = 0, ld1 = 0;
         const char* a0 = tile_rows(t, ld0);
@@ -813,13 +819,9 @@ void gemm_amx(uint16_t* c, const uint16_t* a, int64_t m, int64_t lda, const char
         // the prefetch runs ahead of the first row-tile pair only; later pairs find the unit in L2
         const char* pf = t == 0 ? wb : nullptr;
         const char* pfn = t + 2 >= tiles ? next : nullptr;
-        if (two) {
-          if (nb == 2) amx_unit<true, 2>(a0, ld0, a1, ld1, wb, bstride, steps, pf, pfn, next_run, cbuf);
-          else amx_unit<true, 1>(a0, ld0, a1, ld1, wb, bstride, steps, pf, pfn, next_run, cbuf);
-        } else {
-          if (nb == 2) amx_unit<false, 2>(a0, ld0, a1, ld1, wb, bstride, steps, pf, pfn, next_run, cbuf);
-          else amx_unit<false, 1>(a0, ld0, a1, ld1, wb, bstride, steps, pf, pfn, next_run, cbuf);
-        }
+        const auto unit = two ? (nb == 2 ? amx_unit<true, 2> : amx_unit<true, 1>)
+                              : (nb == 2 ? amx_unit<false, 2> : amx_unit<false, 1>);
+        unit(a0, ld0, a1, ld1, wb, bstride, steps, pf, pfn, cbuf);
         // epilogue: rows of tile t (cbuf 0, 1) and t + 1 (cbuf 2, 3)
         for (int h = 0; h < (two ? 2 : 1); ++h) {
           const int64_t r0 = (t + h) * 16, rn = std::min<int64_t>(16, m - r0);
@@ -827,12 +829,9 @@ void gemm_amx(uint16_t* c, const uint16_t* a, int64_t m, int64_t lda, const char
           if (act) {  // block 0 gate, block 1 up -> 16 output columns
             const __m512 bg = bias ? _mm512_loadu_ps(bias + blk0 * kCols) : _mm512_setzero_ps();
             const __m512 bu = bias ? _mm512_loadu_ps(bias + (blk0 + 1) * kCols) : _mm512_setzero_ps();
-            for (int64_t i = 0; i < rn; ++i) {
-              const __m512 g = Bf16::gate_in(_mm512_add_ps(_mm512_load_ps(cb + i * 16), bg));
-              const __m512 up = Bf16::gate_in(_mm512_add_ps(_mm512_load_ps(cb + 256 + i * 16), bu));
+            for (int64_t i = 0; i < rn; ++i)
               Bf16::store(c + (r0 + i) * ldc + u * kCols, 0xFFFF,
-                          _mm512_mul_ps(act == 1 ? batchgen_cpu::silu16(g) : batchgen_cpu::gelu_tanh16(g), up));
-            }
+                          gated16<Bf16>(_mm512_load_ps(cb + i * 16), _mm512_load_ps(cb + 256 + i * 16), bg, bu, act));
             continue;
           }
           for (int64_t j = 0; j < nb; ++j) {
