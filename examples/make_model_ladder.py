@@ -42,6 +42,11 @@ LADDER = {
     "llama-3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                  num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
                                  rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)),
+    # Multi-head attention (32 K/V heads) at head_dim 96, fused qkv_proj and gate_up_proj tensors.
+    "phi-3-mini": ("phi3", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False,
+                                rope_theta=10000.0, max_position_embeddings=4096,
+                                original_max_position_embeddings=4096, rms_norm_eps=1e-5)),
     # A small mixture of experts at Qwen3-MoE's layout (0.55B parameters, 0.17B active per token).
     "qwen3-moe-0.5b": ("qwen3_moe", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=16,
                                          num_attention_heads=16, num_key_value_heads=4, head_dim=64,
@@ -83,7 +88,9 @@ def tensors(config, seed: int = 0):
     for i in range(s.num_layers):
         p = f"model.layers.{i}."
         yield p + "input_layernorm.weight", norm(h)
-        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        if s.model_type == "phi3":  # Phi-3 checkpoints store q/k/v and gate/up fused
+            yield p + "self_attn.qkv_proj.weight", rand(q + 2 * kv, h)
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)) if s.model_type != "phi3" else ():
             yield p + f"self_attn.{name}.weight", rand(rows, h)
             if s.qkv_bias:
                 yield p + f"self_attn.{name}.bias", rand(rows)
@@ -103,8 +110,11 @@ def tensors(config, seed: int = 0):
                 yield p + f"mlp.experts.{j}.up_proj.weight", rand(e, h)
                 yield p + f"mlp.experts.{j}.down_proj.weight", rand(h, e)
             continue
-        yield p + "mlp.gate_proj.weight", rand(inter, h)
-        yield p + "mlp.up_proj.weight", rand(inter, h)
+        if s.model_type == "phi3":
+            yield p + "mlp.gate_up_proj.weight", rand(2 * inter, h)
+        else:
+            yield p + "mlp.gate_proj.weight", rand(inter, h)
+            yield p + "mlp.up_proj.weight", rand(inter, h)
         yield p + "mlp.down_proj.weight", rand(h, inter)
     yield "model.norm.weight", norm(h)
     if not s.tie_word_embeddings:

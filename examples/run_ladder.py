@@ -40,6 +40,8 @@ ROWS = [
     ("qwen2.5-1.5b", "decode-heavy", "float32", 32, 128),
     ("qwen2.5-1.5b", "prefill-only", "float32", 32, 128),
     ("qwen2.5-3b", "prompt-heavy", "float32", 16, 128),
+    ("phi-3-mini", "decode-heavy", "bfloat16", 32, 128),
+    ("phi-3-mini", "prompt-heavy", "bfloat16", 32, 128),
 ]
 DTYPE = {"bfloat16": "bf16", "float32": "fp32"}
 

@@ -1,6 +1,8 @@
 """Helpers shared by the tests (importable: tests/ is on pytest's pythonpath)."""
 from __future__ import annotations
 
+import functools
+
 
 def tiny_hf_model(family: str = "llama", vocab_size: int = 512, seed: int = 0, **overrides):
     """A randomly initialised tiny decoder: Llama with GQA, Qwen3 with q/k norm, Phi-3 (fused
@@ -125,6 +127,23 @@ def prepare_all(spec, tokenizer, max_len):
     return {r.pos: r for r in out.rows}, {e.pos: e.message for e in out.errors}
 
 
+@functools.lru_cache(maxsize=None)
+def gguf_tokenizer(path: str) -> tuple:
+    """A GGUF's tokenizer fields (model, tokens, types, merges, bos, eos), read once per process:
+    reading the bundled SmolLM2's 49,152 tokens field by field takes seconds."""
+    from gguf import GGUFReader
+
+    f = GGUFReader(path).fields
+
+    def strings(key: str) -> tuple:
+        return tuple(bytes(f[key].parts[i]).decode() for i in f[key].data)
+
+    return (bytes(f["tokenizer.ggml.model"].parts[-1]).decode(), strings("tokenizer.ggml.tokens"),
+            tuple(int(f["tokenizer.ggml.token_type"].parts[i][0]) for i in f["tokenizer.ggml.token_type"].data),
+            strings("tokenizer.ggml.merges"), int(f["tokenizer.ggml.bos_token_id"].parts[-1][0]),
+            int(f["tokenizer.ggml.eos_token_id"].parts[-1][0]))
+
+
 def write_gguf(path, model, arch: str, tokenizer_gguf, rope_factors=None):
     """A float32 GGUF of a transformers model as llama.cpp lays it out (its tensor names, Phi-3's
     fused projections, the Qwen MoEs' stacked experts, Gemma's 1 + w norms and soft caps), with the
@@ -132,7 +151,7 @@ def write_gguf(path, model, arch: str, tokenizer_gguf, rope_factors=None):
     the tokenizer of another GGUF (the bundled SmolLM2's: the model's vocabulary must match it).
     rope_factors: (long, short) LongRoPE factors, stored as llama.cpp stores them (tensors)."""
     import numpy as np
-    from gguf import GGUFReader, GGUFWriter
+    from gguf import GGUFWriter
 
     from batchgen.models.loader import _GGUF_ARCH_LAYER, _GGUF_LAYER, _GGUF_NAMES
 
@@ -168,17 +187,13 @@ def write_gguf(path, model, arch: str, tokenizer_gguf, rope_factors=None):
         w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
         for name, f in zip(("rope_factors_long.weight", "rope_factors_short.weight"), rope_factors):
             w.add_tensor(name, np.asarray(f, dtype=np.float32))
-    tok = GGUFReader(str(tokenizer_gguf))
-
-    w.add_tokenizer_model(bytes(tok.fields["tokenizer.ggml.model"].parts[-1]).decode())
-    w.add_token_list([bytes(tok.fields["tokenizer.ggml.tokens"].parts[i]).decode()
-                      for i in tok.fields["tokenizer.ggml.tokens"].data])
-    w.add_token_types([int(tok.fields["tokenizer.ggml.token_type"].parts[i][0])
-                       for i in tok.fields["tokenizer.ggml.token_type"].data])
-    w.add_token_merges([bytes(tok.fields["tokenizer.ggml.merges"].parts[i]).decode()
-                        for i in tok.fields["tokenizer.ggml.merges"].data])
-    w.add_bos_token_id(int(tok.fields["tokenizer.ggml.bos_token_id"].parts[-1][0]))
-    w.add_eos_token_id(int(tok.fields["tokenizer.ggml.eos_token_id"].parts[-1][0]))
+    model_name, tokens, types, merges, bos, eos = gguf_tokenizer(str(tokenizer_gguf))
+    w.add_tokenizer_model(model_name)
+    w.add_token_list(list(tokens))
+    w.add_token_types(list(types))
+    w.add_token_merges(list(merges))
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
     for name, t in model.state_dict().items():
         t = t.detach().float().numpy()
         if arch.startswith("gemma") and name.endswith("norm.weight"):

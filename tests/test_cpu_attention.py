@@ -35,7 +35,7 @@ LENS = [1, 15, 16, 17, 33, 200, 64]
 # GQA 1, 3 (AVX-512: registers kernel), 6, 7 and 8 (tiled kernel: 3-head score tiles and a 1-head
 # tail on AVX-512, 2-head tiles and a 1-head tail on AVX2), 12 (generic)
 @pytest.mark.parametrize("heads,kvh", [(4, 4), (9, 3), (12, 2), (14, 2), (16, 2), (12, 1)])
-@pytest.mark.parametrize("d", [64, 128, 256, 32])  # 32: the generic (non-specialised) kernel
+@pytest.mark.parametrize("d", [64, 128, 256, 96, 32])  # 96: Phi-3-mini; 32: the generic (non-specialised) kernel
 @pytest.mark.parametrize("bs", [16, 32])
 def test_op_matches_reference(dtype, heads, kvh, d, bs):
     q, kc, vc, tables, lo, hi = _case(heads, kvh, d, bs, LENS, dtype)
@@ -59,15 +59,16 @@ def test_lo_hi_select_a_window_and_an_empty_range_gives_zeros():
 
 
 @pytest.mark.parametrize("heads,kvh", [(9, 3), (15, 3)])  # the AVX-512 registers and tiled kernels (3 and 5 heads a group)
-def test_int8_cache_with_scales(heads, kvh):
+@pytest.mark.parametrize("d", [64, 96])  # 96: V summed in slices of 3 vectors, not 4
+def test_int8_cache_with_scales(heads, kvh, d):
     from batchgen.runner.attention import QuantCache
 
-    q, kc, vc, tables, lo, hi = _case(heads, kvh, 64, 16, LENS, torch.float32)
-    kq = QuantCache(kc.shape[0], 16, kvh, 64, "cpu")
-    vq = QuantCache(kc.shape[0], 16, kvh, 64, "cpu")
+    q, kc, vc, tables, lo, hi = _case(heads, kvh, d, 16, LENS, torch.float32)
+    kq = QuantCache(kc.shape[0], 16, kvh, d, "cpu")
+    vq = QuantCache(kc.shape[0], 16, kvh, d, "cpu")
     slots = torch.arange(kc.shape[0] * 16)
-    kq.store(kc.view(-1, kvh, 64), slots)
-    vq.store(vc.view(-1, kvh, 64), slots)
+    kq.store(kc.view(-1, kvh, d), slots)
+    vq.store(vc.view(-1, kvh, d), slots)
     out = ca.paged_decode(q, kq.data, vq.data, tables, lo, hi, 0.125, kq.scale, vq.scale)
     ref, _ = ca.paged_decode_reference(q, kq.data, vq.data, tables, lo, hi, 0.125, kq.scale, vq.scale)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

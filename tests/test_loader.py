@@ -115,3 +115,31 @@ print(base, peak, weights, e.model.shape.num_layers)
     base, peak, weights, layers = (int(x) for x in out.stdout.split())
     assert weights > 2e9 and layers == 16
     assert peak - base <= weights + (1 << 30), (peak - base - weights) / 2**20
+
+
+def test_a_ladder_phi3_folder_gives_transformers_greedy_tokens(tmp_path):
+    """make_model_ladder's Phi-3 rung writes fused qkv_proj / gate_up_proj tensors, as Phi-3
+    checkpoints do: at a tiny size of that layout (multi-head, 4 K/V heads), transformers and our
+    loader read the same model."""
+    sys.path.insert(0, str(REPO / "examples"))
+    from make_model_ladder import LADDER, VOCAB, tensors
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, fields = LADDER["phi-3-mini"]
+    fields = {**fields, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4}
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, torch_dtype="bfloat16", **fields)
+    folder = tmp_path / "phi3"
+    config.save_pretrained(folder)
+    save_safetensors_shards(tensors(config, seed=2), folder)
+    names = set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"])
+    assert {"model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"} <= names
+    assert not any("q_proj" in n or "up_proj" in n.replace("gate_up_proj", "") for n in names)
+    hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    ps = prompts(seed=6)
+    want = hf_greedy(hf, ps, 8)
+    ckpt = load_checkpoint(resolve_model(str(folder)))
+    e = Engine(ckpt, IdTokenizer(), *engine_specs(kv_cache_gib=0.02, linear_path="plain", decode_attention="exact"))
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    got = {r.request_id: r.token_ids for r in e.generate(GenerationRequest(str(i), p, sp) for i, p in enumerate(ps))}
+    assert [got[str(i)] for i in range(len(ps))] == want

@@ -127,6 +127,14 @@ template <int N>
 inline void tile_slots(int64_t (&sl)[N], int64_t first, int64_t n) {
   for (int i = 0; i < N; ++i) sl[i] = first + std::min<int64_t>(i, n - 1);
 }
+
+// The weighted sum of V's slice width: the widest of at most `cap` vectors that divides the head's
+// nd vectors (head_dim 96 = 6 x 16 dims takes 3 where 64 and 128 take 4).
+constexpr int v_slices(int cap, int nd) {
+  for (int dc = cap < nd ? cap : nd; dc > 1; --dc)
+    if (nd % dc == 0) return dc;
+  return 1;
+}
 #endif
 
 #ifdef __AVX512F__
@@ -342,7 +350,7 @@ void decode_seq_tiled(float* o, float* lse, const float* q, const KT* kc, const 
                       float scale, float softcap, float* scores, float* acc_mem, const KT* next_k,
                       const c10::BFloat16* qb) {
   constexpr int D = ND * 16;
-  constexpr int DC = G <= 2 ? (ND < 8 ? ND : 8) : G <= 6 ? 4 : 2;  // G x DC + DC <= 28 registers
+  constexpr int DC = v_slices(G <= 2 ? 8 : G <= 6 ? 4 : 2, ND);  // G x DC + DC <= 28 registers
   const int64_t len = hi - lo;
   const int64_t row = kvh * D;
   float* qs = acc_mem + kvh * G * D;  // [kvh * G, D], the scaled queries
@@ -555,6 +563,7 @@ SeqFn pick(int64_t g, int64_t d) {
   if (d == 64) return pick_g<4, KT>(g);
   if (d == 128) return pick_g<8, KT>(g);
   if (d == 256) return pick_g<16, KT>(g);  // Gemma 2/3
+  if (d == 96) return pick_g<6, KT>(g);    // Phi-3/3.5-mini
   return nullptr;
 }
 
@@ -648,7 +657,7 @@ void paged_decode(at::Tensor out, c10::optional<at::Tensor> lse, at::Tensor q, a
   const int64_t bs = k_cache.size(1), kvh = k_cache.size(2), width = block_tables.size(1);
   float* lse_p = lse.has_value() ? lse->data_ptr<float>() : nullptr;
   TORCH_CHECK(!bf16_io || has_fast_path(heads, kvh, d),
-              "paged_decode: bfloat16 q needs the specialised kernel (AVX-512 or AVX2, head_dim 64, 128 or 256, at most 8 "
+              "paged_decode: bfloat16 q needs the specialised kernel (AVX-512 or AVX2, head_dim 64, 96, 128 or 256, at most 8 "
               "query heads per KV head); pass float32");
   void* o = out.data_ptr();
   const void* qp = q.data_ptr();
