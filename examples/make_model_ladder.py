@@ -84,16 +84,18 @@ def tensors(config, seed: int = 0):
         return (torch.zeros if s.gemma else torch.ones)(n, dtype=torch.bfloat16)
 
     h, q, kv, inter = s.hidden_size, s.q_size, s.kv_size, s.intermediate_size
+    fused = s.model_type == "phi3"  # Phi-3 checkpoints store q/k/v and gate/up fused
     yield "model.embed_tokens.weight", rand(s.vocab_size, h)
     for i in range(s.num_layers):
         p = f"model.layers.{i}."
         yield p + "input_layernorm.weight", norm(h)
-        if s.model_type == "phi3":  # Phi-3 checkpoints store q/k/v and gate/up fused
+        if fused:
             yield p + "self_attn.qkv_proj.weight", rand(q + 2 * kv, h)
-        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)) if s.model_type != "phi3" else ():
-            yield p + f"self_attn.{name}.weight", rand(rows, h)
-            if s.qkv_bias:
-                yield p + f"self_attn.{name}.bias", rand(rows)
+        else:
+            for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                yield p + f"self_attn.{name}.weight", rand(rows, h)
+                if s.qkv_bias:
+                    yield p + f"self_attn.{name}.bias", rand(rows)
         yield p + "self_attn.o_proj.weight", rand(h, q)
         yield p + "post_attention_layernorm.weight", norm(h)
         if s.gemma:
@@ -110,7 +112,7 @@ def tensors(config, seed: int = 0):
                 yield p + f"mlp.experts.{j}.up_proj.weight", rand(e, h)
                 yield p + f"mlp.experts.{j}.down_proj.weight", rand(h, e)
             continue
-        if s.model_type == "phi3":
+        if fused:
             yield p + "mlp.gate_up_proj.weight", rand(2 * inter, h)
         else:
             yield p + "mlp.gate_proj.weight", rand(inter, h)
