@@ -12,12 +12,12 @@ Both sources are built with the engine's flags, each as its own op library (`tor
 `torch.ops.ab_head`), and each packs its own copy of the weights. At each row count a layer's four
 linears (fused QKV, output, fused gate/up with its SiLU epilogue, down) run over --copies copies
 of the weights, so they stream from memory as in a real forward, on 2 MiB pages as the engine holds
-them (hostmem; --small-pages: 4 KiB pages, where a panel's four 16-column blocks are four pages, and
-a layout change measured 2-6% faster at 16-2,048 rows than on 2 MiB pages, where it was level).
-The two builds alternate (ABBA over the reps), so both see the machine's noise. It first checks that both give the same values
-at a few row counts, and says by how much they differ when they do not. GFLOP/s = 2 * M * K * N /
-the median time; `head / base` is the ratio of the medians, `best` that of the fastest reps
-(steadier where neighbours load the machine in bursts).
+them (hostmem; --small-pages: 4 KiB pages, where a panel's four 16-column blocks stream from four
+pages at once, and a layout change measured 2-6% faster at 16-2,048 rows that was level on 2 MiB
+pages). The two builds alternate (ABBA over the reps), so both see the machine's noise. It first
+checks that both give the same values at a few row counts, and says by how much they differ when
+they do not. GFLOP/s = 2 * M * K * N / the median time; `head / base` is the ratio of the medians,
+`best` that of the fastest reps (steadier where neighbours load the machine in bursts).
 """
 from __future__ import annotations
 

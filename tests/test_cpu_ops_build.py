@@ -15,4 +15,3 @@ COMPILER = os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension builds
 @pytest.mark.skipif(shutil.which(COMPILER) is None, reason=f"no C++ compiler ({COMPILER}) here")
 def test_the_cpu_ops_build_where_there_is_a_compiler():
     cpu_attention.load()  # raises with the compiler's message when the sources do not build
-    assert cpu_attention.available()
