@@ -148,6 +148,8 @@ struct PrefetchCursor {
 //   kPerLine      k per line (2 for bf16 pairs);
 //   bcast / madd  x's value(s) for one line broadcast to 16 lanes, and the step on one block;
 //   kL1Prefetch   whether the tile also pulls its panel's lines into L1 ahead of the walk;
+//   kGroupedSteps whether 5- and 6-row tiles issue their L2 prefetch in bursts between runs of
+//                 steps instead of checking a countdown on each step (F32, below);
 //   gate_in       the gated epilogue's view of a sum (bf16 rounds it, as a stored gate/up would be);
 //   store         16 lanes of a row into the output, masked.
 template <class C>
@@ -183,20 +185,38 @@ __attribute__((noinline)) void tile(const typename S::A* a, int64_t lda, const c
   // `per` lines every `every` steps; a countdown, not l % every: a division per step cost 2-10%
   const int64_t per = lines > 0 ? std::max<int64_t>(1, (pf.lines + lines - 1) / lines) : 1;
   const int64_t every = pf.lines > 0 ? std::max<int64_t>(1, lines / pf.lines) : INT64_MAX;
-  int64_t countdown = 0;
-  for (int64_t l = 0; l < lines; ++l) {
-    __m512 w[NB];
-    for (int j = 0; j < NB; ++j) w[j] = _mm512_loadu_ps(b + j * bstride + l * 64);
-    if constexpr (S::kL1Prefetch)
-      if ((l & 1) == 0)
-        for (int j = 0; j < NB; ++j) _mm_prefetch(b + j * bstride + (l + 16) * 64, _MM_HINT_T0);
-    if (--countdown <= 0 && next.left > 0) {
-      for (int64_t i = 0; i < per && next.left > 0; ++i) next.next();
-      countdown = every;
+  if constexpr (S::kGroupedSteps && MR >= 5) {
+    static_assert(!S::kL1Prefetch, "the grouped walk has no L1 prefetch");
+    // a burst of lines, then a run of at least 4 steps of k with nothing else in the loop: the
+    // countdown's `per` lines every `every` steps, gathered into runs of 4 where `every` is shorter
+    const int64_t run = every >= 4 ? every : 4 / every * every, burst = per * (run / every);
+    for (int64_t l = 0; l < lines;) {
+      for (int64_t i = 0; i < burst && next.left > 0; ++i) next.next();
+      for (const int64_t stop = lines - l > run ? l + run : lines; l < stop; ++l) {
+        __m512 w[NB];
+        for (int j = 0; j < NB; ++j) w[j] = _mm512_loadu_ps(b + j * bstride + l * 64);
+        for (int i = 0; i < MR; ++i) {
+          const __m512 x = S::bcast(a + i * lda, l);
+          for (int j = 0; j < NB; ++j) acc[i][j] = S::madd(acc[i][j], x, w[j]);
+        }
+      }
     }
-    for (int i = 0; i < MR; ++i) {
-      const __m512 x = S::bcast(a + i * lda, l);
-      for (int j = 0; j < NB; ++j) acc[i][j] = S::madd(acc[i][j], x, w[j]);
+  } else {
+    int64_t countdown = 0;
+    for (int64_t l = 0; l < lines; ++l) {
+      __m512 w[NB];
+      for (int j = 0; j < NB; ++j) w[j] = _mm512_loadu_ps(b + j * bstride + l * 64);
+      if constexpr (S::kL1Prefetch)
+        if ((l & 1) == 0)
+          for (int j = 0; j < NB; ++j) _mm_prefetch(b + j * bstride + (l + 16) * 64, _MM_HINT_T0);
+      if (--countdown <= 0 && next.left > 0) {
+        for (int64_t i = 0; i < per && next.left > 0; ++i) next.next();
+        countdown = every;
+      }
+      for (int i = 0; i < MR; ++i) {
+        const __m512 x = S::bcast(a + i * lda, l);
+        for (int j = 0; j < NB; ++j) acc[i][j] = S::madd(acc[i][j], x, w[j]);
+      }
     }
   }
   while (next.left > 0) next.next();
@@ -297,11 +317,21 @@ void walk(typename S::C* c, const typename S::A* a, int64_t m, int64_t lda, cons
 // fp32 x and weights, one k per line, fp32 output. On 256-bit AVX-512 units (AMD Zen 4) oneDNN's
 // fp32 GEMM ran at 64-85% of the FMA peak at a decode step's 8-32 rows on Qwen2.5-1.5B's shapes and
 // this walk 1.10-1.46x faster at 8-16 rows with the prefetch cursor (0.95-0.98x from 64 rows up).
+// kGroupedSteps: with the countdown's test and the prefetch loop inside the k loop, GCC's code for
+// the 6-row tile ran 4-5% below the same FMAs in a bare loop (one thread, Zen 4: 106-108 against
+// 111-113 GFLOP/s at 48-252 rows, a 116.5 GFLOP/s peak). Issuing the prefetch in bursts between
+// runs of at least 4 steps took Qwen2.5-1.5B's layer GEMMs to 1.03-1.08x at 16-256 rows, level at
+// 1-10 (ab_gemm_source, two threads; Qwen2.5-0.5B's alike). Runs of one step (a burst before every
+// step, where a tile's share of the prefetch has as many lines as it has steps) ran the 5-row tiles
+// 0.90-0.95x at 16 and 32 rows. Tiles of 4 rows and fewer keep the countdown: in the grouped loop GCC
+// folded their weight loads into the FMAs (one load per row) and they ran 0.75-0.8x. The bf16
+// walk's code is unchanged (its grouped A/B was level).
 struct F32 {
   using A = float;
   using C = float;
   static constexpr int64_t kPerLine = 1;
   static constexpr bool kL1Prefetch = false;
+  static constexpr bool kGroupedSteps = true;
   static inline __m512 bcast(const float* row, int64_t l) { return _mm512_set1_ps(row[l]); }
   static inline __m512 madd(__m512 acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
   static inline __m512 gate_in(__m512 v) { return v; }
@@ -318,6 +348,7 @@ struct Bf16 {
   using C = uint16_t;
   static constexpr int64_t kPerLine = 2;
   static constexpr bool kL1Prefetch = false;
+  static constexpr bool kGroupedSteps = false;
   static inline __m512 bcast(const uint16_t* row, int64_t l) {
     return _mm512_castsi512_ps(_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(row + 2 * l)));
   }
