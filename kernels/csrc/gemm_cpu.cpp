@@ -319,8 +319,8 @@ void walk(typename S::C* c, const typename S::A* a, int64_t m, int64_t lda, cons
 // fp32 GEMM ran at 64-85% of the FMA peak at a decode step's 8-32 rows on Qwen2.5-1.5B's shapes and
 // this walk 1.10-1.46x faster at 8-16 rows with the prefetch cursor (0.95-0.98x from 64 rows up).
 // kGroupedSteps: with the countdown's test and the prefetch loop inside the k loop, GCC's code for
-// the 6-row tile ran 4-5% below the same FMAs in a bare loop (one thread, Zen 4: 106-108 against
-// 111-113 GFLOP/s at 48-252 rows, a 116.5 GFLOP/s peak). Issuing the prefetch in bursts between
+// the 6-row tile ran 4-5% below the same FMAs in a bare loop (one thread, Zen 4: 104-108 against
+// 110-113 GFLOP/s at 48-252 rows, a 116.5 GFLOP/s peak). Issuing the prefetch in bursts between
 // runs of at least 4 steps took Qwen2.5-1.5B's layer GEMMs to 1.03-1.08x at 16-256 rows, level at
 // 1-10 (ab_gemm_source, two threads; Qwen2.5-0.5B's alike). Runs of one step (a burst before every
 // step, where a tile's share of the prefetch has as many lines as it has steps) ran the 5-row tiles
