@@ -187,8 +187,8 @@ __attribute__((noinline)) void tile(const typename S::A* a, int64_t lda, const c
   const int64_t every = pf.lines > 0 ? std::max<int64_t>(1, lines / pf.lines) : INT64_MAX;
   if constexpr (S::kGroupedSteps && MR >= 5) {
     static_assert(!S::kL1Prefetch, "the grouped walk has no L1 prefetch");
-    // a burst of lines, then a run of at least 4 steps of k with nothing else in the loop: the
-    // countdown's `per` lines every `every` steps, gathered into runs of 4 where `every` is shorter.
+    // a burst of lines, then a run of steps of k with nothing else in the loop: the countdown's
+    // `per` lines every `every` steps, with runs of `every` steps widened to 4 where `every` is 1 or 2.
     // The step is written out in both loops: as one shared lambda it changed GCC's bf16 tiles too.
     const int64_t run = every >= 4 ? every : 4 / every * every, burst = per * (run / every);
     for (int64_t l = 0; l < lines;) {
@@ -321,12 +321,13 @@ void walk(typename S::C* c, const typename S::A* a, int64_t m, int64_t lda, cons
 // kGroupedSteps: with the countdown's test and the prefetch loop inside the k loop, GCC's code for
 // the 6-row tile ran 4-5% below the same FMAs in a bare loop (one thread, Zen 4: 104-108 against
 // 110-113 GFLOP/s at 48-252 rows, a 116.5 GFLOP/s peak). Issuing the prefetch in bursts between
-// runs of at least 4 steps took Qwen2.5-1.5B's layer GEMMs to 1.03-1.08x at 16-256 rows, level at
-// 1-10 (ab_gemm_source, two threads; Qwen2.5-0.5B's alike). Runs of one step (a burst before every
-// step, where a tile's share of the prefetch has as many lines as it has steps) ran the 5-row tiles
-// 0.90-0.95x at 16 and 32 rows. Tiles of 4 rows and fewer keep the countdown: in the grouped loop GCC
-// folded their weight loads into the FMAs (one load per row) and they ran 0.75-0.8x. The bf16
-// walk's code is unchanged (a grouped loop on it ran 0.96-1.02x at 1-256 rows, 0.97-0.98x at 12-24).
+// runs of 3 or more steps (4 where it was due every step or two) took Qwen2.5-1.5B's layer GEMMs
+// to 1.03-1.08x at 16-256 rows, level at 1-10 (ab_gemm_source, two threads; Qwen2.5-0.5B's alike).
+// Runs of one step (a burst before every step, where a tile's share of the prefetch has as many
+// lines as it has steps) ran the 5-row tiles 0.90-0.95x at 16 and 32 rows. Tiles of 4 rows and
+// fewer keep the countdown: in the grouped loop GCC folded their weight loads into the FMAs (one
+// load per row) and they ran 0.75-0.8x. The bf16 walk's code is unchanged (a grouped loop on it ran
+// 0.96-1.02x at 1-256 rows, 0.97-0.98x at 12-24).
 struct F32 {
   using A = float;
   using C = float;
