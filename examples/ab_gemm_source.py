@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 from bench_gemm_rows import layer_shapes  # noqa: E402
 
-from batchgen.kernels.cpu_attention import _FLAGS  # noqa: E402
+from batchgen.kernels.cpu_attention import flags  # noqa: E402
 from batchgen.plan import load_model_config, shape_from_config  # noqa: E402
 from batchgen.runner.hostmem import on_huge_pages  # noqa: E402
 
@@ -59,7 +59,7 @@ def build(name: str, files: dict[str, str], where: Path, source: str = "gemm_cpu
     where.mkdir(parents=True, exist_ok=True)
     (where / source).write_text(renamed(files[source], name, source, marker))
     (where / "cpu_common.h").write_text(files["cpu_common.h"])
-    load(name=name, sources=[str(where / source)], extra_cflags=_FLAGS + [f"-I{where}"],
+    load(name=name, sources=[str(where / source)], extra_cflags=flags() + [f"-I{where}"],
          extra_ldflags=["-fopenmp"], build_directory=str(where), is_python_module=False, verbose=False)
 
 

@@ -3,8 +3,9 @@ layer ops (RMSNorm with the residual add, rotary embedding, SiLU- and GELU-tanh-
 greedy argmax).
 Built on first use.
 
-It is compiled once per source, compiler flags and CPU (it is built with -march=native) into
-$BATCHGEN_CACHE/ext (default ~/.cache/batchgen/ext); later processes only load the library.
+It is compiled once per source, compiler flags and CPU (it is built with -march=native, or for
+$BATCHGEN_CPU_MARCH) into $BATCHGEN_CACHE/ext (default ~/.cache/batchgen/ext); later processes
+only load the library.
 Where no C++ compiler is at hand, `available()` is False and the engine keeps the torch path.
 """
 from __future__ import annotations
@@ -30,7 +31,12 @@ _SOURCES = [_CSRC / name for name in ("paged_attention_cpu.cpp", "prefill_attent
 _HEADERS = [_CSRC / "cpu_common.h"]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it. The library then needs
 # libgomp.so.1, which resolves to the copy torch has already loaded (same soname): one thread pool.
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17"]
+_BASE_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-std=c++17"]
+MARCH_ENV = "BATCHGEN_CPU_MARCH"
+# /proc/cpuinfo flags that choose a kernel, and the macro a build defines where it may use them
+ISA_MACROS = {"avx2": "__AVX2__", "fma": "__FMA__", "avx512f": "__AVX512F__", "avx512bw": "__AVX512BW__",
+              "avx512vl": "__AVX512VL__", "avx512_bf16": "__AVX512BF16__", "avx512_fp16": "__AVX512FP16__",
+              "amx_tile": "__AMX_TILE__", "amx_bf16": "__AMX_BF16__", "amx_int8": "__AMX_INT8__"}
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -45,10 +51,42 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
+def march() -> str:
+    """What the ops are compiled for: $BATCHGEN_CPU_MARCH as GCC's -march takes it, else native.
+    A target below this CPU's (x86-64-v3: AVX2 and FMA, as AMD Zen 2/3) builds and runs the kernels
+    that CPUs of that kind get, here: their tests and benchmarks on an AVX-512 machine."""
+    return os.environ.get(MARCH_ENV, "").strip() or "native"
+
+
+def flags() -> list[str]:
+    return _BASE_FLAGS[:1] + [f"-march={march()}"] + _BASE_FLAGS[1:]
+
+
+@functools.lru_cache(maxsize=None)
+def target_isa(arch: str) -> frozenset[str] | None:
+    """The ISA_MACROS flags that a build for -march=`arch` may use; None for native (all of this
+    CPU's). Asks the compiler (its predefined macros); a target it refuses is an error naming
+    $BATCHGEN_CPU_MARCH."""
+    if arch == "native":
+        return None
+    import subprocess
+
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        r = subprocess.run([compiler, f"-march={arch}", "-dM", "-E", "-x", "c++", os.devnull],
+                           capture_output=True, text=True, timeout=60)
+    except OSError as e:
+        raise RuntimeError(f"{MARCH_ENV}={arch}: cannot run the C++ compiler {compiler!r}: {e}") from e
+    if r.returncode != 0:
+        raise RuntimeError(f"{MARCH_ENV}={arch}: {compiler} refuses -march={arch}: {r.stderr.strip()[-500:]}")
+    defined = {line.split()[1] for line in r.stdout.splitlines() if line.startswith("#define ")}
+    return frozenset(flag for flag, macro in ISA_MACROS.items() if macro in defined)
+
+
 def _build_dir() -> Path:
     from batchgen.cache import cache_root
 
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + " ".join(_FLAGS).encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + " ".join(flags()).encode()
                          + _cpu_id().encode() + torch.__version__.encode()).hexdigest()[:16]
     d = cache_root() / "ext" / f"cpu_ops_{key}"
     d.mkdir(parents=True, exist_ok=True)
@@ -81,7 +119,7 @@ def load() -> None:
 
             _ninja_on_path()
 
-            cpp_load(name="batchgen_cpu_ops", sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+            cpp_load(name="batchgen_cpu_ops", sources=[str(p) for p in _SOURCES], extra_cflags=flags(), extra_ldflags=["-fopenmp"],
                      build_directory=str(_build_dir()), is_python_module=False, verbose=False)
         except Exception as e:  # no compiler, no ninja, a failed build: all mean "not here"
             _state["error"] = f"the CPU ops could not be built: {type(e).__name__}: {str(e)[-2000:]}"

@@ -123,8 +123,16 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
 
 
 def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (avx512_bf16, amx_bf16, ...), as /proc/cpuinfo lists them."""
-    return _cpuinfo()[1]
+    """This CPU's feature flags (avx512_bf16, amx_bf16, ...), as /proc/cpuinfo lists them, less the
+    kernel-choosing ones (cpu_attention.ISA_MACROS) that $BATCHGEN_CPU_MARCH's target lacks."""
+    return _cpuinfo()[1] - _masked_flags()
+
+
+def _masked_flags() -> frozenset[str]:
+    from batchgen.kernels import cpu_attention
+
+    isa = cpu_attention.target_isa(cpu_attention.march())
+    return frozenset() if isa is None else frozenset(cpu_attention.ISA_MACROS) - isa
 
 
 def cpu_vendor_family() -> tuple[str, str]:
@@ -144,6 +152,7 @@ def cpu_info() -> dict:
     import platform
 
     name, flags = _cpuinfo()
+    flags = flags - _masked_flags()
     model = platform.processor() or platform.machine()
     if name and model in ("", platform.machine()):
         model = name

@@ -82,8 +82,15 @@ def amx_gemm_available() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def onednn_bf16_available() -> bool:
-    """Whether oneDNN has bf16 kernels on this CPU (AVX512-BW/VL/DQ, AVX-NE-CONVERT or AMX)."""
-    return onednn_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether oneDNN has bf16 kernels on this CPU (AVX512-BW/VL/DQ, AVX-NE-CONVERT or AMX); under a
+    $BATCHGEN_CPU_MARCH below this CPU's, whether it would on a CPU of that target."""
+    if not (onednn_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return False
+    from batchgen.kernels import cpu_attention
+
+    if cpu_attention.march() == "native":
+        return True
+    return bool(cpu_flags() & {"avx512bw", "amx_bf16", "avx_ne_convert"})
 
 
 def fma_f32_preferred() -> bool:

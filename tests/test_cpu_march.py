@@ -1,0 +1,84 @@
+"""$BATCHGEN_CPU_MARCH: the C++ ops built for a target below this CPU's, as CPUs of that kind get
+them. On an AVX-512 machine the suite's native build never compiles the AVX2 branches of the
+attention ops (Zen 2/3, Intel client parts), so the last test here builds them (x86-64-v3) and
+runs the op tests against them."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from batchgen import workload
+from batchgen.kernels import cpu_attention
+
+COMPILER = os.environ.get("CXX", "c++")
+needs_compiler = pytest.mark.skipif(shutil.which(COMPILER) is None, reason=f"no C++ compiler ({COMPILER}) here")
+AVX512_ONLY = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"}
+
+
+@needs_compiler
+def test_target_isa_is_what_the_compiler_enables():
+    assert cpu_attention.target_isa("native") is None  # all of this CPU's flags
+    assert cpu_attention.target_isa("x86-64-v3") == {"avx2", "fma"}
+    assert cpu_attention.target_isa("x86-64-v2") == frozenset()
+    assert {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"} <= \
+        cpu_attention.target_isa("sapphirerapids")
+
+
+@needs_compiler
+def test_the_flags_lose_what_the_target_lacks_and_keep_the_rest(monkeypatch):
+    native = workload._cpuinfo()[1]
+    monkeypatch.setenv(cpu_attention.MARCH_ENV, "x86-64-v3")
+    flags = workload.cpu_flags()
+    assert flags == native - AVX512_ONLY
+    assert "-march=x86-64-v3" in cpu_attention.flags() and "-march=native" not in cpu_attention.flags()
+    assert set(workload.cpu_info()["isa"]) <= {"avx2"}
+    monkeypatch.setenv(cpu_attention.MARCH_ENV, "native")
+    assert workload.cpu_flags() == native and "-march=native" in cpu_attention.flags()
+
+
+@needs_compiler
+def test_a_target_the_compiler_refuses_is_an_error_naming_the_variable(monkeypatch):
+    monkeypatch.setenv(cpu_attention.MARCH_ENV, "no-such-cpu")
+    with pytest.raises(RuntimeError, match=r"BATCHGEN_CPU_MARCH=no-such-cpu: .*refuses -march=no-such-cpu"):
+        workload.cpu_flags()
+
+
+PROBE = """
+import json, torch
+from batchgen import workload
+from batchgen.kernels import cpu_attention
+from batchgen.runner import linear
+cpu_attention.load()
+ops = torch.ops.batchgen_cpu
+print(json.dumps({"dpbf16": ops.has_dpbf16_gemm(), "avx512_f32": ops.has_avx512_f32_gemm(),
+                  "fma": ops.has_fma_bf16_gemm(), "d96": ops.has_fast_path(32, 32, 96),
+                  "attention": workload.cpu_info()["attention_ops"], "fp32_on_fma": linear.fma_f32_preferred(),
+                  "bf16_own": linear.own_bf16_path(), "onednn_bf16": linear.onednn_bf16_available()}))
+"""
+
+
+@needs_compiler
+@pytest.mark.skipif(os.environ.get("BATCHGEN_NO_CPP") == "1", reason="BATCHGEN_NO_CPP=1: the ops are turned off")
+@pytest.mark.skipif(not {"avx512f", "avx2", "fma"} <= workload._cpuinfo()[1],
+                    reason="no AVX-512 here: the native build is the AVX2 one, which the op tests run already")
+@pytest.mark.skipif(bool(os.environ.get(cpu_attention.MARCH_ENV)), reason="the suite runs under BATCHGEN_CPU_MARCH already")
+def test_the_avx2_build_passes_the_op_tests_on_an_avx512_cpu():
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env[cpu_attention.MARCH_ENV] = "x86-64-v3"
+    probe = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=repo, capture_output=True, text=True, timeout=900)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    got = json.loads(probe.stdout.strip().splitlines()[-1])
+    # the AVX2 kernels, chosen as on an AVX2 CPU: fp32 and bf16 weights on fma, not oneDNN
+    assert got == {"dpbf16": False, "avx512_f32": False, "fma": True, "d96": True, "attention": "AVX2",
+                   "fp32_on_fma": True, "bf16_own": None, "onednn_bf16": False}
+    tests = [os.path.join(repo, "tests", name) for name in ("test_cpu_attention.py", "test_cpu_gemm.py")]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env, cwd=repo,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", r.stdout)
+    assert passed and int(passed.group(1)) >= 300, r.stdout[-2000:]  # the AVX-512-only tests skip; the rest run
