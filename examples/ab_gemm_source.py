@@ -9,7 +9,10 @@ gemm_bf16_fma or gemm_f32_fma (no activation epilogue: the gate/up GEMM writes b
 takes avx512 where this CPU's build has it, else fma.
 
 Both sources are built with the engine's flags, each as its own op library (`torch.ops.ab_base`,
-`torch.ops.ab_head`), and each packs its own copy of the weights. At each row count a layer's four
+`torch.ops.ab_head`), and each packs its own copy of the weights. Under BATCHGEN_CPU_MARCH (e.g.
+znver3 or x86-64-v3 on an AVX-512 CPU) both are built for that target: `--kernel fma` then compares
+the AVX2 kernels as AVX2 CPUs compile them: a proxy for Zen 3's core-bound rates (it has two
+256-bit FMA pipes, as Zen 4 has), not for its memory system. At each row count a layer's four
 linears (fused QKV, output, fused gate/up with its SiLU epilogue, down) run over --copies copies
 of the weights, so they stream from memory as in a real forward, on 2 MiB pages as the engine holds
 them (hostmem; --small-pages: 4 KiB pages, where a panel's four 16-column blocks stream from four
