@@ -65,12 +65,14 @@ print(json.dumps({"dpbf16": ops.has_dpbf16_gemm(), "avx512_f32": ops.has_avx512_
 @pytest.mark.skipif(os.environ.get("BATCHGEN_NO_CPP") == "1", reason="BATCHGEN_NO_CPP=1: the ops are turned off")
 @pytest.mark.skipif(not {"avx512f", "avx2", "fma"} <= workload._cpuinfo()[1],
                     reason="no AVX-512 here: the native build is the AVX2 one, which the op tests run already")
-@pytest.mark.skipif(bool(os.environ.get(cpu_attention.MARCH_ENV)), reason="the suite runs under BATCHGEN_CPU_MARCH already")
+@pytest.mark.skipif(bool(os.environ.get(cpu_attention.MARCH_ENV)),
+                    reason="the suite runs under BATCHGEN_CPU_MARCH already")
 def test_the_avx2_build_passes_the_op_tests_on_an_avx512_cpu():
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env[cpu_attention.MARCH_ENV] = "x86-64-v3"
-    probe = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=repo, capture_output=True, text=True, timeout=900)
+    probe = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=repo, capture_output=True, text=True,
+                           timeout=900)
     assert probe.returncode == 0, probe.stderr[-3000:]
     got = json.loads(probe.stdout.strip().splitlines()[-1])
     # the AVX2 kernels, chosen as on an AVX2 CPU: fp32 and bf16 weights on fma, not oneDNN

@@ -49,7 +49,8 @@ def onednn_available() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def dpbf16_available() -> bool:
-    """Whether the dpbf16 GEMM runs here: the C++ ops built with AVX512-BF16 (-march=native)."""
+    """Whether the dpbf16 GEMM runs here: the C++ ops built with AVX512-BF16 (for -march=native,
+    or $BATCHGEN_CPU_MARCH)."""
     from batchgen.kernels import cpu_attention
 
     return cpu_attention.available() and bool(torch.ops.batchgen_cpu.has_dpbf16_gemm())
@@ -57,7 +58,8 @@ def dpbf16_available() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def fma_available() -> bool:
-    """Whether the fma GEMM runs here: the C++ ops built with AVX2 and FMA (-march=native)."""
+    """Whether the fma GEMM runs here: the C++ ops built with AVX2 and FMA (for -march=native,
+    or $BATCHGEN_CPU_MARCH)."""
     from batchgen.kernels import cpu_attention
 
     return cpu_attention.available() and bool(torch.ops.batchgen_cpu.has_fma_bf16_gemm())
@@ -65,7 +67,8 @@ def fma_available() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def avx512_f32_available() -> bool:
-    """Whether the AVX-512 fp32 GEMM runs here: the C++ ops built with AVX-512F (-march=native)."""
+    """Whether the AVX-512 fp32 GEMM runs here: the C++ ops built with AVX-512F (for -march=native,
+    or $BATCHGEN_CPU_MARCH)."""
     from batchgen.kernels import cpu_attention
 
     return cpu_attention.available() and bool(torch.ops.batchgen_cpu.has_avx512_f32_gemm())
@@ -73,7 +76,7 @@ def avx512_f32_available() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def amx_gemm_available() -> bool:
-    """Whether the amx GEMM runs here: the C++ ops built with AMX-BF16 (-march=native) and the OS
+    """Whether the amx GEMM runs here: the C++ ops built with AMX-BF16 (the -march target) and the OS
     granting this process AMX tile data."""
     from batchgen.kernels import cpu_attention
 
