@@ -58,8 +58,9 @@ def march() -> str:
     return os.environ.get(MARCH_ENV, "").strip() or "native"
 
 
-def flags() -> list[str]:
-    return _BASE_FLAGS[:1] + [f"-march={march()}"] + _BASE_FLAGS[1:]
+def flags(arch: str | None = None) -> list[str]:
+    """The compiler flags of a build for -march=`arch` (default: march())."""
+    return _BASE_FLAGS[:1] + [f"-march={arch or march()}"] + _BASE_FLAGS[1:]
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,7 +1,8 @@
 """$BATCHGEN_CPU_MARCH: the C++ ops built for a target below this CPU's, as CPUs of that kind get
 them. On an AVX-512 machine the suite's native build never compiles the AVX2 branches of the
 attention ops (Zen 2/3, Intel client parts), so the last test here builds them (x86-64-v3) and
-runs the op tests against them."""
+runs the op tests against them. Branches that cannot run here are at least compiled: the AMX GEMM
+(Sapphire Rapids) and the generic loops of CPUs without AVX2."""
 import json
 import os
 import re
@@ -84,3 +85,28 @@ def test_the_avx2_build_passes_the_op_tests_on_an_avx512_cpu():
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     passed = re.search(r"(\d+) passed", r.stdout)
     assert passed and int(passed.group(1)) >= 300, r.stdout[-2000:]  # the AVX-512-only tests skip; the rest run
+
+
+# (target, the sources with branches for it that the native build may not compile, an instruction
+# its gemm_cpu.cpp must hold, ones it must not): AMX (only gemm_cpu.cpp has AMX code; its tile dot
+# product), and no AVX at all (the generic loops of every source; no ymm or zmm registers).
+TARGETS = [("sapphirerapids", ["gemm_cpu.cpp"], "tdpbf16ps", ()),
+           ("x86-64-v2", [p.name for p in cpu_attention._SOURCES], None, ("%ymm", "%zmm"))]
+
+
+@needs_compiler
+@pytest.mark.parametrize("target,sources,needs,refuses", TARGETS, ids=[t[0] for t in TARGETS])
+def test_the_sources_compile_for_targets_this_cpu_may_not_have(target, sources, needs, refuses, tmp_path):
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{p}" for p in include_paths()]
+    for name in sources:
+        out = tmp_path / name.replace(".cpp", ".s")
+        r = subprocess.run([COMPILER, *cpu_attention.flags(target), "-fPIC", "-w", *includes,
+                            "-DTORCH_EXTENSION_NAME=batchgen_cpu_ops", "-S", str(cpu_attention._CSRC / name), "-o", str(out)],
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, f"{name} for -march={target}:\n{r.stderr[-4000:]}"
+        if name == "gemm_cpu.cpp":
+            asm = out.read_text()
+            assert needs is None or needs in asm, f"{name} for -march={target} has no {needs}"
+            assert not [x for x in refuses if x in asm], f"{name} for -march={target} uses {refuses}"
