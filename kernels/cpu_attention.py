@@ -36,7 +36,8 @@ MARCH_ENV = "BATCHGEN_CPU_MARCH"
 # /proc/cpuinfo flags that choose a kernel, and the macro a build defines where it may use them
 ISA_MACROS = {"avx2": "__AVX2__", "fma": "__FMA__", "avx512f": "__AVX512F__", "avx512bw": "__AVX512BW__",
               "avx512vl": "__AVX512VL__", "avx512_bf16": "__AVX512BF16__", "avx512_fp16": "__AVX512FP16__",
-              "amx_tile": "__AMX_TILE__", "amx_bf16": "__AMX_BF16__", "amx_int8": "__AMX_INT8__"}
+              "amx_tile": "__AMX_TILE__", "amx_bf16": "__AMX_BF16__", "amx_int8": "__AMX_INT8__",
+              "avx_ne_convert": "__AVXNECONVERT__"}
 _lock = threading.Lock()
 _state: dict = {}
 
