@@ -263,7 +263,9 @@ def run_bench(num_prompts: int = 256, output_cap: int = 256, dtypes=("float32", 
 
 def format_report(report: dict) -> str:
     cpu = report.get("cpu", {})
-    lines = [f"cpu: {cpu.get('model')} ({', '.join(cpu.get('isa', []))}); GEMMs {cpu.get('gemms')}, attention "
+    march = cpu.get("march", "native")
+    built = "" if march == "native" else f", the ops built for -march={march}"
+    lines = [f"cpu: {cpu.get('model')} ({', '.join(cpu.get('isa', []))}{built}); GEMMs {cpu.get('gemms')}, attention "
              f"{cpu.get('attention_ops')}", f"model: {report.get('model')}", f"workload: {json.dumps(report['workload'])}",
              "",
              f"{'engine':58s} {'reqs':>5s} {'out tok/s':>10s} {'total tok/s':>12s} {'wall s':>8s}"]

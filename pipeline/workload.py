@@ -148,7 +148,8 @@ def half_width_avx512() -> bool:
 
 
 def cpu_info() -> dict:
-    """The CPU's model name and the ISA features batchgen's kernels use where present."""
+    """The CPU's model name, the -march its C++ ops are built for (native unless
+    $BATCHGEN_CPU_MARCH) and the ISA features batchgen's kernels use where present."""
     import platform
 
     name, flags = _cpuinfo()
@@ -158,7 +159,9 @@ def cpu_info() -> dict:
         model = name
     used = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
             if f in flags]
-    return {"model": model, "isa": used,
+    from batchgen.kernels import cpu_attention
+
+    return {"model": model, "march": cpu_attention.march(), "isa": used,
             "gemms": "bf16: batchgen amx (AMX tiles), fp32: oneDNN (AVX-512)" if "amx_bf16" in flags else
             "bf16: batchgen dpbf16 (AVX512-BF16), fp32: "
             + ("batchgen fma (AVX-512, Zen 4)" if half_width_avx512() else "oneDNN (AVX-512)") if "avx512_bf16" in flags else

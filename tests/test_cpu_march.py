@@ -38,7 +38,15 @@ def test_the_flags_lose_what_the_target_lacks_and_keep_the_rest(monkeypatch):
     flags = workload.cpu_flags()
     assert flags == native - BEYOND_V3
     assert "-march=x86-64-v3" in cpu_attention.flags() and "-march=native" not in cpu_attention.flags()
-    assert set(workload.cpu_info()["isa"]) <= {"avx2"}
+    info = workload.cpu_info()
+    assert set(info["isa"]) <= {"avx2"} and info["march"] == "x86-64-v3"
+    from batchgen.bench import format_report
+
+    report = {"cpu": info, "model": "m", "workload": {}, "results": [], "ratios": {}, "peak_rss_bytes": 0,
+              "ceiling": {"gflops": {}, "ceiling_output_tok_s_float32": 0, "ceiling_output_tok_s_bfloat16": 0,
+                          "flop_per_output_token": 0}}
+    head = format_report(report).splitlines()[0]
+    assert "the ops built for -march=x86-64-v3" in head, head
     monkeypatch.setenv(cpu_attention.MARCH_ENV, "native")
     assert workload.cpu_flags() == native and "-march=native" in cpu_attention.flags()
 
