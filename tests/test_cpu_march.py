@@ -1,8 +1,8 @@
 """$BATCHGEN_CPU_MARCH: the C++ ops built for a target below this CPU's, as CPUs of that kind get
 them. On an AVX-512 machine the suite's native build never compiles the AVX2 branches of the
-attention ops (Zen 2/3, Intel client parts), so the last test here builds them (x86-64-v3) and
-runs the op tests against them. Branches that cannot run here are at least compiled: the AMX GEMM
-(Sapphire Rapids) and the generic loops of CPUs without AVX2."""
+attention ops (Zen 2/3, Intel client parts), so one test here builds them (x86-64-v3) and runs
+the op tests, and the model families' fast-path test, against them. Branches that cannot run here
+are at least compiled: the AMX GEMM (Sapphire Rapids) and the generic loops of CPUs without AVX2."""
 import json
 import os
 import re
@@ -89,7 +89,9 @@ def test_the_avx2_build_passes_the_op_tests_on_an_avx512_cpu():
     # the AVX2 kernels, chosen as on an AVX2 CPU: fp32 and bf16 weights on fma, not oneDNN
     assert got == {"dpbf16": False, "avx512_f32": False, "fma": True, "d96": True, "attention": "AVX2",
                    "fp32_on_fma": True, "bf16_own": None, "onednn_bf16": False}
-    tests = [os.path.join(repo, "tests", name) for name in ("test_cpu_attention.py", "test_cpu_gemm.py")]
+    # the op tests, and the engine's fast paths (these ops, bf16 weights on fma) against transformers
+    tests = [os.path.join(repo, "tests", name) for name in
+             ("test_cpu_attention.py", "test_cpu_gemm.py", "test_families.py::test_family_fast_paths_pass_the_top5_rule")]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env, cwd=repo,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
