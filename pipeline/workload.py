@@ -152,8 +152,7 @@ def cpu_info() -> dict:
     $BATCHGEN_CPU_MARCH) and the ISA features batchgen's kernels use where present."""
     import platform
 
-    name, flags = _cpuinfo()
-    flags = flags - _masked_flags()
+    name, flags = _cpuinfo()[0], cpu_flags()
     model = platform.processor() or platform.machine()
     if name and model in ("", platform.machine()):
         model = name

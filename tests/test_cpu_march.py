@@ -1,8 +1,9 @@
 """$BATCHGEN_CPU_MARCH: the C++ ops built for a target below this CPU's, as CPUs of that kind get
 them. On an AVX-512 machine the suite's native build never compiles the AVX2 branches of the
 attention ops (Zen 2/3, Intel client parts), so one test here builds them (x86-64-v3) and runs
-the op tests, and the model families' fast-path test, against them. Branches that cannot run here
-are at least compiled: the AMX GEMM (Sapphire Rapids) and the generic loops of CPUs without AVX2."""
+the op tests, and the model families' fast-path test, against them. Branches that this CPU cannot
+run, or that its native build leaves out, are at least compiled: the AMX GEMM (Sapphire Rapids),
+the AVX-512 and dpbf16 ones (Cooper Lake) and the generic loops of CPUs without AVX2."""
 import json
 import os
 import re
