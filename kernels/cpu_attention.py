@@ -31,7 +31,7 @@ _SOURCES = [_CSRC / name for name in ("paged_attention_cpu.cpp", "prefill_attent
 _HEADERS = [_CSRC / "cpu_common.h"]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it. The library then needs
 # libgomp.so.1, which resolves to the copy torch has already loaded (same soname): one thread pool.
-_BASE_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-std=c++17"]
+_OTHER_FLAGS = ["-ffast-math", "-fopenmp", "-std=c++17"]  # beside -O3 and -march (flags())
 MARCH_ENV = "BATCHGEN_CPU_MARCH"
 # /proc/cpuinfo flags that choose a kernel, and the macro a build defines where it may use them
 ISA_MACROS = {"avx2": "__AVX2__", "fma": "__FMA__", "avx512f": "__AVX512F__", "avx512bw": "__AVX512BW__",
@@ -61,7 +61,12 @@ def march() -> str:
 
 def flags(arch: str | None = None) -> list[str]:
     """The compiler flags of a build for -march=`arch` (default: march())."""
-    return _BASE_FLAGS[:1] + [f"-march={arch or march()}"] + _BASE_FLAGS[1:]
+    return ["-O3", f"-march={arch or march()}", *_OTHER_FLAGS]
+
+
+def compiler() -> str:
+    """The C++ compiler the ops build with: $CXX, else c++ (as torch.utils.cpp_extension picks it)."""
+    return os.environ.get("CXX", "c++")
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,14 +78,14 @@ def target_isa(arch: str) -> frozenset[str] | None:
         return None
     import subprocess
 
-    compiler = os.environ.get("CXX", "c++")
+    cxx = compiler()
     try:
-        r = subprocess.run([compiler, f"-march={arch}", "-dM", "-E", "-x", "c++", os.devnull],
+        r = subprocess.run([cxx, f"-march={arch}", "-dM", "-E", "-x", "c++", os.devnull],
                            capture_output=True, text=True, timeout=60)
     except OSError as e:
-        raise RuntimeError(f"{MARCH_ENV}={arch}: cannot run the C++ compiler {compiler!r}: {e}") from e
+        raise RuntimeError(f"{MARCH_ENV}={arch}: cannot run the C++ compiler {cxx!r}: {e}") from e
     if r.returncode != 0:
-        raise RuntimeError(f"{MARCH_ENV}={arch}: {compiler} refuses -march={arch}: {r.stderr.strip()[-500:]}")
+        raise RuntimeError(f"{MARCH_ENV}={arch}: {cxx} refuses -march={arch}: {r.stderr.strip()[-500:]}")
     defined = {line.split()[1] for line in r.stdout.splitlines() if line.startswith("#define ")}
     return frozenset(flag for flag, macro in ISA_MACROS.items() if macro in defined)
 

@@ -15,8 +15,9 @@ import pytest
 
 from batchgen import workload
 from batchgen.kernels import cpu_attention
+from conftest import REPO
 
-COMPILER = os.environ.get("CXX", "c++")
+COMPILER = cpu_attention.compiler()
 needs_compiler = pytest.mark.skipif(shutil.which(COMPILER) is None, reason=f"no C++ compiler ({COMPILER}) here")
 # the kernel-choosing flags that x86-64-v3 (AVX2, FMA) lacks
 BEYOND_V3 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
@@ -80,10 +81,9 @@ print(json.dumps({"dpbf16": ops.has_dpbf16_gemm(), "avx512_f32": ops.has_avx512_
 @pytest.mark.skipif(bool(os.environ.get(cpu_attention.MARCH_ENV)),
                     reason="the suite runs under BATCHGEN_CPU_MARCH already")
 def test_the_avx2_build_passes_the_op_tests_on_an_avx512_cpu():
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env[cpu_attention.MARCH_ENV] = "x86-64-v3"
-    probe = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=repo, capture_output=True, text=True,
+    probe = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=REPO, capture_output=True, text=True,
                            timeout=900)
     assert probe.returncode == 0, probe.stderr[-3000:]
     got = json.loads(probe.stdout.strip().splitlines()[-1])
@@ -91,9 +91,9 @@ def test_the_avx2_build_passes_the_op_tests_on_an_avx512_cpu():
     assert got == {"dpbf16": False, "avx512_f32": False, "fma": True, "d96": True, "attention": "AVX2",
                    "fp32_on_fma": True, "bf16_own": None, "onednn_bf16": False}
     # the op tests, and the engine's fast paths (these ops, bf16 weights on fma) against transformers
-    tests = [os.path.join(repo, "tests", name) for name in
+    tests = [str(REPO / "tests" / name) for name in
              ("test_cpu_attention.py", "test_cpu_gemm.py", "test_families.py::test_family_fast_paths_pass_the_top5_rule")]
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env, cwd=repo,
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env, cwd=REPO,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     passed = re.search(r"(\d+) passed", r.stdout)

@@ -8,7 +8,7 @@ import pytest
 
 from batchgen.kernels import cpu_attention
 
-COMPILER = os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension builds with
+COMPILER = cpu_attention.compiler()
 
 
 @pytest.mark.skipif(os.environ.get("BATCHGEN_NO_CPP") == "1", reason="BATCHGEN_NO_CPP=1: the ops are turned off")
