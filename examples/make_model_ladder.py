@@ -53,6 +53,13 @@ LADDER = {
                                          num_experts=16, num_experts_per_tok=4, moe_intermediate_size=512,
                                          norm_topk_prob=True, tie_word_embeddings=True, rope_theta=1e6,
                                          max_position_embeddings=32768, rms_norm_eps=1e-6)),
+    # Qwen3-30B-A3B's layers (128 experts of 768, 8 per token, 32 query / 4 K/V heads of 128), 6 of
+    # its 48: the expert count and sizes a real MoE checkpoint has (3.9B parameters, 0.24B active).
+    "qwen3-30b-a3b-6l": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=6,
+                                           num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                           norm_topk_prob=True, tie_word_embeddings=False, rope_theta=1e6,
+                                           max_position_embeddings=32768, rms_norm_eps=1e-6)),
     # Mixed sliding-window and full layers (the hybrid KV layout), head_dim 256.
     "gemma-2-2b": ("gemma2", dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, sliding_window=4096,

@@ -42,6 +42,8 @@ ROWS = [
     ("qwen2.5-3b", "prompt-heavy", "float32", 16, 128),
     ("phi-3-mini", "decode-heavy", "bfloat16", 32, 128),
     ("phi-3-mini", "prompt-heavy", "bfloat16", 32, 128),
+    ("qwen3-30b-a3b-6l", "prompt-heavy", "bfloat16", 32, 128),
+    ("qwen3-moe-0.5b", "prompt-heavy", "bfloat16", 64, 256),
 ]
 DTYPE = {"bfloat16": "bf16", "float32": "fp32"}
 

@@ -277,39 +277,106 @@ void rows(const typename S::A* a, int64_t m, int64_t lda, const char* b, int64_t
   }
 }
 
+// How a walk cuts W's k / kPerLine lines into chunks of at most kChunkLines (each one panel's
+// chunk fits L2).
+struct Chunks {
+  int64_t lines, count, len;
+  Chunks(int64_t k, int64_t per_line) : lines(k / per_line) {
+    count = (lines + kChunkLines - 1) / kChunkLines;
+    len = count ? (lines + count - 1) / count : 0;
+  }
+};
+
+// Panel p of W (packed at w, nblk 16-column blocks) over all m rows of a: its chunks in turn, each
+// one's walk prefetching the next chunk, and the last one the first chunk of panel next_p of next_w
+// (the thread's next panel; null: none). c: the output's first row; part: m x 64 floats when the
+// panel has more than one chunk.
+template <class S>
+void panel(typename S::C* c, const typename S::A* a, int64_t m, int64_t lda, const char* w, int64_t nblk, int64_t p,
+           const Chunks& ck, int64_t n, const float* bias, int act, float* part, const char* next_w, int64_t next_p) {
+  const int64_t bstride = ck.lines * 64;
+  const int64_t blk0 = p * kPanel, nb = std::min<int64_t>(kPanel, nblk - blk0);
+  const int64_t cols = std::min<int64_t>(kCols, n - (blk0 + nb - 1) * kCols);
+  for (int64_t ch = 0; ch < ck.count; ++ch) {
+    const int64_t l0 = ch * ck.len, ln = std::min(ck.len, ck.lines - l0);
+    Prefetch pf;  // the next chunk of this panel, else the first chunk of the next panel
+    const bool more = ch + 1 < ck.count;
+    const char* nw = more ? w : next_w;
+    if (nw) {
+      const int64_t np = more ? p : next_p, nl0 = more ? l0 + ck.len : 0;
+      pf.p = nw + np * kPanel * bstride + nl0 * 64;
+      pf.run = std::min(ck.len, ck.lines - nl0);
+      pf.gap = bstride;
+      pf.lines = pf.run * std::min<int64_t>(kPanel, nblk - np * kPanel);
+    }
+    Out<typename S::C> o{c + blk0 * kCols / (act ? 2 : 1), act ? n / 2 : n, part,
+                         bias ? bias + blk0 * kCols : nullptr, static_cast<int>(cols), ch == 0, ch == ck.count - 1,
+                         act};
+    const typename S::A* ak = a + l0 * S::kPerLine;
+    const char* wk = w + blk0 * bstride + l0 * 64;
+    switch (nb) {
+      case 4: rows<S, 4>(ak, m, lda, wk, bstride, ln, o, pf); break;
+      case 3: rows<S, 3>(ak, m, lda, wk, bstride, ln, o, pf); break;
+      case 2: rows<S, 2>(ak, m, lda, wk, bstride, ln, o, pf); break;
+      default: rows<S, 1>(ak, m, lda, wk, bstride, ln, o, pf); break;
+    }
+  }
+}
+
 // out (m rows, ldc = N, or N / 2 when gated) = a (m rows of k, lda apart) @ W.T + bias, W packed in
 // nblk 16-column blocks of k / kPerLine lines; the panels split over the threads.
 template <class S>
 void walk(typename S::C* c, const typename S::A* a, int64_t m, int64_t lda, const char* w, int64_t nblk, int64_t k,
           int64_t n, const float* bias, int act) {
-  const int64_t lines = k / S::kPerLine, bstride = lines * 64, panels = (nblk + kPanel - 1) / kPanel;
-  const int64_t chunks = (lines + kChunkLines - 1) / kChunkLines, chunk = (lines + chunks - 1) / chunks;
+  const Chunks ck(k, S::kPerLine);
+  const int64_t panels = (nblk + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> part(chunks > 1 ? m * 64 : 0);
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t blk0 = p * kPanel, nb = std::min<int64_t>(kPanel, nblk - blk0);
-      const int64_t cols = std::min<int64_t>(kCols, n - (blk0 + nb - 1) * kCols);
-      for (int64_t ch = 0; ch < chunks; ++ch) {
-        const int64_t l0 = ch * chunk, ln = std::min(chunk, lines - l0);
-        Prefetch pf;  // the next chunk of this panel, else the first chunk of the next panel
-        const int64_t np = ch + 1 < chunks ? p : p + 1, nl0 = ch + 1 < chunks ? l0 + chunk : 0;
-        if (np < end) {
-          pf.p = w + np * kPanel * bstride + nl0 * 64;
-          pf.run = std::min(chunk, lines - nl0);
-          pf.gap = bstride;
-          pf.lines = pf.run * std::min<int64_t>(kPanel, nblk - np * kPanel);
-        }
-        Out<typename S::C> o{c + blk0 * kCols / (act ? 2 : 1), act ? n / 2 : n, part.data(),
-                             bias ? bias + blk0 * kCols : nullptr, static_cast<int>(cols), ch == 0, ch == chunks - 1,
-                             act};
-        const typename S::A* ak = a + l0 * S::kPerLine;
-        const char* wk = w + blk0 * bstride + l0 * 64;
-        switch (nb) {
-          case 4: rows<S, 4>(ak, m, lda, wk, bstride, ln, o, pf); break;
-          case 3: rows<S, 3>(ak, m, lda, wk, bstride, ln, o, pf); break;
-          case 2: rows<S, 2>(ak, m, lda, wk, bstride, ln, o, pf); break;
-          default: rows<S, 1>(ak, m, lda, wk, bstride, ln, o, pf); break;
-        }
+    std::vector<float> part(ck.count > 1 ? m * 64 : 0);
+    for (int64_t p = begin; p < end; ++p)
+      panel<S>(c, a, m, lda, w, nblk, p, ck, n, bias, act, part.data(), p + 1 < end ? w : nullptr, p + 1);
+  });
+}
+
+// One GEMM of a group: c (m rows) = a (m rows) @ W.T, W packed at w.
+template <class S>
+struct Group {
+  typename S::C* c;
+  const typename S::A* a;
+  int64_t m;
+  const char* w;
+};
+
+// The GEMMs of several weights of one shape (a mixture's experts), each over its own rows, in one
+// parallel region: their (group, panel) items are split over the threads by cost (the rows, plus
+// kItemRows for the panel's weight stream, which costs the same at any row count), each thread
+// walking its items in order and prefetching the next one's weights across group boundaries. One
+// call per expert instead costs a fork and join per GEMM, and at a decode step's 1-16 rows per
+// expert the single small call's panels split unevenly over the threads.
+constexpr int64_t kItemRows = 8;
+
+template <class S>
+void walk_groups(const std::vector<Group<S>>& groups, int64_t lda, int64_t nblk, int64_t k, int64_t n, int act) {
+  if (groups.empty()) return;
+  const Chunks ck(k, S::kPerLine);
+  const int64_t panels = (nblk + kPanel - 1) / kPanel, items = static_cast<int64_t>(groups.size()) * panels;
+  std::vector<int64_t> before(items + 1, 0);  // the cost of the items before each
+  int64_t rows_max = 0;
+  for (int64_t i = 0; i < items; ++i) before[i + 1] = before[i] + groups[i / panels].m + kItemRows;
+  for (const auto& g : groups) rows_max = std::max(rows_max, g.m);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> part(ck.count > 1 ? rows_max * 64 : 0);
+    for (int64_t t = t0; t < t1; ++t) {
+      // the items whose cost starts in this thread's share of the total
+      const auto first_item = [&](int64_t share) {
+        return std::lower_bound(before.begin(), before.end() - 1, before[items] * share / threads) - before.begin();
+      };
+      const int64_t begin = first_item(t), end = t + 1 == threads ? items : first_item(t + 1);
+      for (int64_t i = begin; i < end; ++i) {
+        const Group<S>& g = groups[i / panels];
+        const bool next = i + 1 < end;
+        panel<S>(g.c, g.a, g.m, lda, g.w, nblk, i % panels, ck, n, nullptr, act, part.data(),
+                 next ? groups[(i + 1) / panels].w : nullptr, (i + 1) % panels);
       }
     }
   });
@@ -741,6 +808,123 @@ void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at
 }
 
 // ---------------------------------------------------------------------------------------------
+// moe_experts: a sparse MoE block's experts on gemm_bf16's and gemm_f32_avx512's walks, one op per
+// layer. The Python loop it replaces ran each active expert as its own two GEMM calls and six
+// torch ops around them; with 128 experts of which a decode step's tokens touch most, that is ~1,000
+// calls a layer, each with its fork and join. Here the pairs' rows are gathered once, each GEMM's
+// (expert, panel) items are split over the threads in one parallel region (walk_groups), and the
+// outputs are weighted and summed per token in ascending expert order, rounding as the loop did
+// (the down output to the dtype, times the routing weight, rounded, then added slot by slot).
+
+#ifdef BATCHGEN_AVX512F
+template <class S>
+inline __m512 load16(const typename S::C* p, __mmask16 m) {
+  if constexpr (sizeof(typename S::C) == 2)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+  else
+    return _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(p));
+}
+
+template <class S>
+void moe_walk(at::Tensor& out, const at::Tensor& x, const at::Tensor& order, const std::vector<int64_t>& counts,
+              const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& weights,
+              int act, int64_t inter, int64_t gu_nblk, int64_t d_nblk) {
+  using T = typename S::C;
+  const int64_t n = x.size(0), h = x.size(1), pairs = order.numel(), k = pairs / n;
+  const int64_t* ord = order.data_ptr<int64_t>();
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  auto xs = x.new_empty({pairs, h}), mid = x.new_empty({pairs, inter}), y = x.new_empty({pairs, h});
+  T* xsp = reinterpret_cast<T*>(xs.data_ptr());
+  T* midp = reinterpret_cast<T*>(mid.data_ptr());
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
+  std::vector<int64_t> slot_pair(pairs);  // (token, slot) -> its pair in expert order
+  for (int64_t p = 0; p < pairs; ++p) slot_pair[ord[p]] = p;
+  at::parallel_for(0, pairs, 16, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) std::memcpy(xsp + p * h, xp + ord[p] / k * h, h * sizeof(T));
+  });
+  std::vector<Group<S>> up_groups, down_groups;
+  for (int64_t ex = 0, r = 0; ex < static_cast<int64_t>(counts.size()); r += counts[ex++]) {
+    if (counts[ex] == 0) continue;
+    up_groups.push_back({midp + r * inter, xsp + r * h, counts[ex], static_cast<const char*>(gate_up[ex].data_ptr())});
+    down_groups.push_back({yp + r * h, midp + r * inter, counts[ex], static_cast<const char*>(down[ex].data_ptr())});
+  }
+  walk_groups<S>(up_groups, h, gu_nblk, h, 2 * inter, act);
+  walk_groups<S>(down_groups, inter, d_nblk, inter, h, 0);
+  const float* wp = weights.data_ptr<float>();
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  at::parallel_for(0, n, 4, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      for (int64_t c = 0; c < h; c += kCols) {
+        const __mmask16 m = static_cast<__mmask16>((1u << std::min<int64_t>(kCols, h - c)) - 1u);
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t q = i * k + j;
+          const __m512 v = S::gate_in(_mm512_mul_ps(load16<S>(yp + slot_pair[q] * h + c, m), _mm512_set1_ps(wp[q])));
+          acc = j == 0 ? v : S::gate_in(_mm512_add_ps(acc, v));
+        }
+        S::store(op + i * h + c, m, acc);
+      }
+  });
+}
+#endif
+
+// out [n, H] = the sum over each token's k experts of weight * down(act(gate) * up), the MLPs of a
+// sparse MoE block. x [n, H]; order [n * k]: the (token, slot) pairs (slot j of token t is t * k + j,
+// its experts ascending) sorted by expert, stably; counts [E]: each expert's pairs, in that order;
+// gate_up / down: each expert's weights from pack_bf16_weight (x bf16) or pack_f32_weight (x fp32),
+// gate_up gated (16-row gate and up blocks alternating) with act 1 (SiLU) or 2 (GELU-tanh);
+// weights [n, k] fp32: each pair's routing weight (as the dtype the family rounds it to).
+void moe_experts(at::Tensor out, at::Tensor x, at::Tensor order, std::vector<int64_t> counts,
+                 std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, at::Tensor weights, int64_t act) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (bf16 || x.scalar_type() == at::kFloat),
+              "moe_experts: x [n, H] contiguous, bf16 or fp32");
+  TORCH_CHECK(act == 1 || act == 2, "moe_experts: act is 1 (silu) or 2 (gelu_tanh), got ", act);
+  const int64_t n = x.size(0), h = x.size(1), pairs = order.numel(), experts = counts.size();
+  TORCH_CHECK(n > 0 && pairs % n == 0 && order.scalar_type() == at::kLong && order.is_contiguous(),
+              "moe_experts: order int64 [n * k]");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.numel() == pairs,
+              "moe_experts: weights fp32 [n, k]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
+              "moe_experts: out like x");
+  TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == experts && static_cast<int64_t>(down.size()) == experts &&
+                  experts > 0, "moe_experts: one gate_up and one down weight per expert count");
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  TORCH_CHECK(total == pairs, "moe_experts: the expert counts add up to ", total, ", not the ", pairs, " pairs");
+  // packed shapes: bf16 [blocks, K / 2, 16, 2], fp32 [blocks, K, 16]
+  const int64_t per_line = bf16 ? 2 : 1, dims = bf16 ? 4 : 3;
+  const auto k_of = [&](const at::Tensor& w) { return w.size(1) * per_line; };
+  const int64_t gu_nblk = gate_up[0].size(0), inter = gu_nblk * kCols / 2, d_nblk = down[0].size(0);
+  TORCH_CHECK(gu_nblk % 2 == 0 && d_nblk == (h + kCols - 1) / kCols, "moe_experts: gate_up [2I, H] with I a multiple "
+              "of 16, down [H, I], packed");
+  for (int64_t e = 0; e < experts; ++e) {
+    const auto& g = gate_up[e];
+    const auto& d = down[e];
+    TORCH_CHECK(g.dim() == dims && d.dim() == dims && g.is_contiguous() && d.is_contiguous() &&
+                    g.scalar_type() == x.scalar_type() && d.scalar_type() == x.scalar_type() &&
+                    g.size(0) == gu_nblk && k_of(g) == h && d.size(0) == d_nblk && k_of(d) == inter,
+                "moe_experts: expert ", e, "'s weights are not packed [2I, H] and [H, I] like expert 0's, for x's dtype");
+  }
+  if (bf16) {
+#ifdef BATCHGEN_DPBF16
+    if (half_width_avx512())
+      moe_walk<Bf16>(out, x, order, counts, gate_up, down, weights, act, inter, gu_nblk, d_nblk);
+    else
+      moe_walk<Bf16L1>(out, x, order, counts, gate_up, down, weights, act, inter, gu_nblk, d_nblk);
+#else
+    TORCH_CHECK(false, "moe_experts: this build has no AVX512-BF16 (check has_dpbf16_gemm first)");
+#endif
+  } else {
+#ifdef BATCHGEN_AVX512F
+    moe_walk<F32>(out, x, order, counts, gate_up, down, weights, act, inter, gu_nblk, d_nblk);
+#else
+    TORCH_CHECK(false, "moe_experts: this build has no AVX-512 (check has_avx512_f32_gemm first)");
+#endif
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // gemm_bf16_amx: gemm_bf16's contract on AMX tiles (Intel Sapphire Rapids and later), on the same
 // packed weight. pack_bf16_weight's layout is AMX's B layout as it is: one 16-column block's 16
 // k pairs of a 32-k step are 16 rows of 64 bytes, contiguous (one tile load, stride 64).
@@ -922,5 +1106,7 @@ TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
   m.def("pack_f32_weight(Tensor w) -> Tensor", &pack_f32_weight);
   m.def("gemm_f32_fma(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()", &gemm_f32_fma);
   m.def("has_amx_gemm() -> bool", &has_amx_gemm);
+  m.def("moe_experts(Tensor(a!) out, Tensor x, Tensor order, int[] counts, Tensor[] gate_up, Tensor[] down, "
+        "Tensor weights, int act) -> ()", &moe_experts);
   m.def("gemm_bf16_amx(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, int act=0) -> ()", &gemm_bf16_amx);
 }

@@ -173,7 +173,7 @@ class CausalLM:
                 return DenseMLP(lin(p + "mlp.", [("gate_proj", inter), ("up_proj", inter)], h, fused="gate_up_proj",
                                     gated=gated),
                                 lin(p + "mlp.", [("down_proj", h)], inter))
-            return self._sparse_moe(w, t, lin, p, linear_path)
+            return self._sparse_moe(w, t, lin, p, linear_path, gated)
 
         def opt_norm(name: str, size: int) -> torch.Tensor | None:
             return norm(name, size) if w.has(name) else None
@@ -216,7 +216,7 @@ class CausalLM:
         self.fused = fused
         self.triton_ops = triton_ops and not fused
 
-    def _sparse_moe(self, w, t, lin, p: str, linear_path: str) -> SparseMoE:
+    def _sparse_moe(self, w, t, lin, p: str, linear_path: str, gated: str | None) -> SparseMoE:
         """A sparse layer's router and experts, from transformers' in-memory layout (experts as
         [experts, 2I, hidden] and [experts, hidden, I]) or a checkpoint's per-expert matrices
         (Mixtral's block_sparse_moe.experts.j.w1/w3/w2, the Qwen MoEs' mlp.experts.j.*_proj)."""
@@ -241,7 +241,7 @@ class CausalLM:
             shared_gate = t(moe + "shared_expert_gate.weight", [1, h])
         return SparseMoE(router, gate_up, down, s.experts_per_token, s.norm_topk_prob,
                          fp32_weights=s.model_type == "mixtral", linear_path=linear_path, shared=shared,
-                         shared_gate=shared_gate)
+                         shared_gate=shared_gate, gated=gated)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

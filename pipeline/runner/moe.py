@@ -7,8 +7,11 @@ top-k experts, renormalised to sum to 1 where the family does (Mixtral always, t
 
 On the CPU the tokens are grouped by expert (one stable sort) and each active expert runs one
 gate/up GEMM and one down GEMM over its tokens; the weighted outputs are added back per token in
-ascending expert order, as transformers adds them. On CUDA the experts run as two grouped GEMMs
-over the tokens sorted by expert (batchgen.kernels.fused_moe, a Triton kernel).
+ascending expert order, as transformers adds them. Where the experts are on our packed GEMMs
+(dpbf16, or fp32 on AVX-512) that is one C++ op a layer (`moe_experts`, kernels/csrc/gemm_cpu.cpp:
+all experts' GEMMs in one parallel region, split by cost); elsewhere a Python loop over the
+experts. On CUDA the experts run as two grouped GEMMs over the tokens sorted by expert
+(batchgen.kernels.fused_moe, a Triton kernel).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .linear import ROW_TILE, Linear, row_tiles
+from .linear import GATED_ACTS, ROW_TILE, Linear, row_tiles
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -59,7 +62,8 @@ class SparseMoE:
 
     def __init__(self, router: torch.Tensor, gate_up: list[torch.Tensor], down: list[torch.Tensor], top_k: int,
                  renormalize: bool, fp32_weights: bool, linear_path: str, shared: DenseMLP | None = None,
-                 shared_gate: torch.Tensor | None = None) -> None:
+                 shared_gate: torch.Tensor | None = None, gated: str | None = "silu") -> None:
+        """gated: the experts' activation (Linear's `gated`) for GEMMs that apply it in their epilogue."""
         self.router = router  # [experts, hidden]
         self.num_experts = len(gate_up)
         self.top_k = top_k
@@ -74,8 +78,14 @@ class SparseMoE:
             self.w_down = torch.stack(down)
             self.experts: list[tuple[Linear, Linear]] = []
         else:
-            self.experts = [(Linear(gu, None, linear_path), Linear(d, None, linear_path))
+            self.experts = [(Linear(gu, None, linear_path, gated=gated), Linear(d, None, linear_path))
                             for gu, d in zip(gate_up, down)]
+        # every expert on one of the walks moe_experts runs: the op's weight lists and activation
+        gu0, d0 = self.experts[0] if self.experts else (None, None)
+        self.packed = None
+        if gu0 is not None and gu0.fused_act in GATED_ACTS and gu0.path in ("dpbf16", "fma") and d0.path == gu0.path:
+            self.packed = ([gu.weight for gu, _ in self.experts], [d.weight for _, d in self.experts])
+            self.act = GATED_ACTS[gu0.fused_act]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [n, k], expert ids [n, k]) of each token."""
@@ -107,6 +117,11 @@ class SparseMoE:
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        if self.packed is not None:
+            out = torch.empty_like(x)
+            torch.ops.batchgen_cpu.moe_experts(out, x.contiguous(), order, counts, *self.packed,
+                                               weights.float().contiguous(), self.act)
+            return out
         tokens = order // k
         flat_weights = weights.flatten()[order]
         y = torch.empty((n * k, x.shape[1]), dtype=x.dtype)
@@ -115,7 +130,8 @@ class SparseMoE:
             if count == 0:
                 continue
             gate_up, down = self.experts[e]
-            out = down(silu_mul(gate_up(x.index_select(0, tokens[start : start + count]))))
+            h = gate_up(x.index_select(0, tokens[start : start + count]))
+            out = down(h if gate_up.fused_act else silu_mul(h))
             y.index_copy_(0, order[start : start + count], (out * flat_weights[start : start + count, None]).to(x.dtype))
             start += count
         y = y.view(n, k, -1)
