@@ -549,3 +549,4 @@ def test_moe_experts_op_refuses_bad_arguments(dtype):
         op(out, x, order, [2, 2, 1, 1], gu[:2] + [d[2]] + gu[3:], d, weights, 1)
     with pytest.raises(RuntimeError, match="act is 1"):
         op(out, x, order, [2, 2, 1, 1], gu, d, weights, 0)
+    assert moe(x[:0], lambda t: t).shape == (0, 64)  # a step with no tokens for this layer

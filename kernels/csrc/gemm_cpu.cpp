@@ -881,7 +881,7 @@ void moe_experts(at::Tensor out, at::Tensor x, at::Tensor order, std::vector<int
               "moe_experts: x [n, H] contiguous, bf16 or fp32");
   TORCH_CHECK(act == 1 || act == 2, "moe_experts: act is 1 (silu) or 2 (gelu_tanh), got ", act);
   const int64_t n = x.size(0), h = x.size(1), pairs = order.numel(), experts = counts.size();
-  TORCH_CHECK(n > 0 && pairs % n == 0 && order.scalar_type() == at::kLong && order.is_contiguous(),
+  TORCH_CHECK((n > 0 ? pairs % n == 0 : pairs == 0) && order.scalar_type() == at::kLong && order.is_contiguous(),
               "moe_experts: order int64 [n * k]");
   TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.numel() == pairs,
               "moe_experts: weights fp32 [n, k]");
@@ -892,6 +892,7 @@ void moe_experts(at::Tensor out, at::Tensor x, at::Tensor order, std::vector<int
   int64_t total = 0;
   for (int64_t c : counts) total += c;
   TORCH_CHECK(total == pairs, "moe_experts: the expert counts add up to ", total, ", not the ", pairs, " pairs");
+  if (n == 0) return;
   // packed shapes: bf16 [blocks, K / 2, 16, 2], fp32 [blocks, K, 16]
   const int64_t per_line = bf16 ? 2 : 1, dims = bf16 ? 4 : 3;
   const auto k_of = [&](const at::Tensor& w) { return w.size(1) * per_line; };
