@@ -488,36 +488,44 @@ def test_cpu_vendor_family_reads_this_machine():
     assert family == "" or f"cpu family\t: {family}" in text
 
 
-MOE_DTYPES = [pytest.param(torch.bfloat16, marks=needs_op), pytest.param(torch.float32, marks=needs_avx512)]
+# (dtype, path): the AVX-512 walks (gate/up interleaved, SiLU in the epilogue), and the AVX2 kernels
+# (fma for bf16 weights; for fp32 where the build has no AVX-512)
+MOE_CASES = [pytest.param(torch.bfloat16, "dpbf16", marks=needs_op),
+             pytest.param(torch.float32, "fma", marks=needs_avx512),
+             pytest.param(torch.bfloat16, "fma", marks=needs_fma),
+             pytest.param(torch.float32, "fma", marks=[needs_fma, pytest.mark.skipif(
+                 linear.avx512_f32_available(), reason="fp32 on fma takes the AVX-512 walk here")])]
 
 
-def _sparse_moe(dtype, experts, top_k, hidden, inter, seed=0, fp32_weights=False):
+def _sparse_moe(dtype, experts, top_k, hidden, inter, seed=0, fp32_weights=False, path=None):
     from batchgen.runner.moe import SparseMoE
 
     g = torch.Generator().manual_seed(seed)
     router = (torch.randn(experts, hidden, generator=g) * 0.5).to(dtype)
     gate_up = [(torch.randn(2 * inter, hidden, generator=g) * 0.05).to(dtype) for _ in range(experts)]
     down = [(torch.randn(hidden, inter, generator=g) * 0.05).to(dtype) for _ in range(experts)]
-    moe = SparseMoE(router, gate_up, down, top_k, True, fp32_weights, "dpbf16" if dtype == torch.bfloat16 else "fma")
+    moe = SparseMoE(router, gate_up, down, top_k, True, fp32_weights,
+                    path or ("dpbf16" if dtype == torch.bfloat16 else "fma"))
     return moe, gate_up, down
 
 
-@pytest.mark.parametrize("dtype", MOE_DTYPES)
+@pytest.mark.parametrize("dtype,path", MOE_CASES)
 # experts, top-k, hidden, expert intermediate, tokens: a decode step over many experts (most with
 # one or no token), a ragged hidden (72: a last block of 8 columns), hidden over one L2 chunk (the
 # gate/up GEMM's partial sums), one token on one expert (a single work item), Mixtral's fp32 weights.
 @pytest.mark.parametrize("experts,top_k,hidden,inter,tokens,fp32_weights", [
     (128, 8, 256, 96, 3, False), (16, 4, 72, 48, 37, False), (4, 3, 2064, 32, 300, False),
     (2, 1, 16, 16, 1, False), (8, 2, 64, 32, 19, True)])
-def test_moe_experts_op_equals_the_expert_loop(dtype, experts, top_k, hidden, inter, tokens, fp32_weights):
+def test_moe_experts_op_equals_the_expert_loop(dtype, path, experts, top_k, hidden, inter, tokens, fp32_weights):
     """moe_experts (one op a layer) gives the Python loop's values exactly (each expert's two GEMMs,
     weighted and summed in ascending expert order with the same roundings), and both agree with a
     float64 evaluation of the MoE block."""
     from batchgen.kernels import cpu_attention as ops
 
     moe, gate_up, down = _sparse_moe(dtype, experts, top_k, hidden, inter, seed=experts + tokens,
-                                     fp32_weights=fp32_weights)
-    assert moe.packed is not None and moe.act == 1
+                                     fp32_weights=fp32_weights, path=path)
+    walk = path == "dpbf16" or linear.avx512_f32_available() and dtype == torch.float32
+    assert moe.packed is not None and moe.act == 1 and moe.interleaved == walk
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens)).to(dtype)
     got = moe(x, ops.silu_mul)
     packed, moe.packed = moe.packed, None
@@ -534,19 +542,19 @@ def test_moe_experts_op_equals_the_expert_loop(dtype, experts, top_k, hidden, in
     torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("dtype", MOE_DTYPES)
-def test_moe_experts_op_refuses_bad_arguments(dtype):
-    moe, _, _ = _sparse_moe(dtype, 4, 2, 64, 32)
+@pytest.mark.parametrize("dtype,path", MOE_CASES)
+def test_moe_experts_op_refuses_bad_arguments(dtype, path):
+    moe, _, _ = _sparse_moe(dtype, 4, 2, 64, 32, path=path)
     gu, d = moe.packed
     x = torch.randn(3, 64).to(dtype)
     order, weights, out = torch.arange(6), torch.full((3, 2), 0.5), torch.empty_like(x)
     op = torch.ops.batchgen_cpu.moe_experts
     with pytest.raises(RuntimeError, match="add up to 5, not the 6 pairs"):
-        op(out, x, order, [2, 2, 1, 0], gu, d, weights, 1)
+        op(out, x, order, [2, 2, 1, 0], gu, d, weights, 1, moe.interleaved)
     with pytest.raises(RuntimeError, match="one gate_up and one down weight per expert"):
-        op(out, x, order, [2, 2, 2], gu, d, weights, 1)
+        op(out, x, order, [2, 2, 2], gu, d, weights, 1, moe.interleaved)
     with pytest.raises(RuntimeError, match="expert 2's weights"):
-        op(out, x, order, [2, 2, 1, 1], gu[:2] + [d[2]] + gu[3:], d, weights, 1)
+        op(out, x, order, [2, 2, 1, 1], gu[:2] + [d[2]] + gu[3:], d, weights, 1, moe.interleaved)
     with pytest.raises(RuntimeError, match="act is 1"):
-        op(out, x, order, [2, 2, 1, 1], gu, d, weights, 0)
+        op(out, x, order, [2, 2, 1, 1], gu, d, weights, 0, moe.interleaved)
     assert moe(x[:0], lambda t: t).shape == (0, 64)  # a step with no tokens for this layer

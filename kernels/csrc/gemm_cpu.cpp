@@ -14,6 +14,7 @@
 // CPUs with AMX keep oneDNN (its AMX tiles are several times faster); the Python side decides.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -42,6 +43,7 @@ namespace {
 constexpr int64_t kCols = 16;        // columns per packed block (one zmm, or two ymm, of fp32 sums)
 constexpr int64_t kPanel = 4;        // blocks per register tile: 64 columns
 constexpr int kRows = 6;             // rows per register tile: 6 x 4 accumulators
+constexpr int64_t kItemRows = 8;  // the grouped walks' cost of a panel's weight stream, in rows (walk_groups)
 constexpr int64_t kChunkLines = 1024;  // lines per L2 chunk of a panel (4 x 1024 x 64 B = 256 KiB)
 
 bool has_dpbf16_gemm() {
@@ -352,7 +354,6 @@ struct Group {
 // walking its items in order and prefetching the next one's weights across group boundaries. One
 // call per expert instead costs a fork and join per GEMM, and at a decode step's 1-16 rows per
 // expert the single small call's panels split unevenly over the threads.
-constexpr int64_t kItemRows = 8;
 
 template <class S>
 void walk_groups(const std::vector<Group<S>>& groups, int64_t lda, int64_t nblk, int64_t k, int64_t n, int act) {
@@ -859,11 +860,124 @@ void moe_walk(at::Tensor& out, const at::Tensor& x, const at::Tensor& order, con
         __m512 acc = _mm512_setzero_ps();
         for (int64_t j = 0; j < k; ++j) {
           const int64_t q = i * k + j;
-          const __m512 v = S::gate_in(_mm512_mul_ps(load16<S>(yp + slot_pair[q] * h + c, m), _mm512_set1_ps(wp[q])));
+          __m512 v = _mm512_mul_ps(load16<S>(yp + slot_pair[q] * h + c, m), _mm512_set1_ps(wp[q]));
+          asm volatile("" : "+v"(v));  // a rounded product: -ffast-math would fuse it into the add
+          v = S::gate_in(v);
           acc = j == 0 ? v : S::gate_in(_mm512_add_ps(acc, v));
         }
         S::store(op + i * h + c, m, acc);
       }
+  });
+}
+#endif
+
+#ifdef BATCHGEN_FMA
+// walk_groups for the AVX2 kernels (fma::block): the (group, 16-column panel) items split over the
+// threads by cost, each thread's run of one group's panels one block() call per 256 rows. a: the
+// pairs' fp32 rows (lda apart); each group's output rows at its first row of c (fp32) or c16 (bf16),
+// ldc apart.
+struct FmaGroup {
+  int64_t row0, m;
+  const void* w;
+};
+
+template <bool BF16>
+void fma_groups(const std::vector<FmaGroup>& groups, const float* a, int64_t lda, int64_t n, int64_t k, float* c,
+                uint16_t* c16, int64_t ldc) {
+  if (groups.empty()) return;
+  const int64_t panels = (n + kCols - 1) / kCols, items = static_cast<int64_t>(groups.size()) * panels;
+  std::vector<int64_t> before(items + 1, 0);
+  for (int64_t i = 0; i < items; ++i) before[i + 1] = before[i] + groups[i / panels].m + kItemRows;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const auto first_item = [&](int64_t share) {
+        return std::lower_bound(before.begin(), before.end() - 1, before[items] * share / threads) - before.begin();
+      };
+      const int64_t begin = first_item(t), end = t + 1 == threads ? items : first_item(t + 1);
+      for (int64_t i = begin; i < end;) {  // one group's run of panels at a time
+        const int64_t p0 = i % panels, p1 = std::min(panels, p0 + (end - i));
+        const FmaGroup& g = groups[i / panels];
+        for (int64_t r = 0; r < g.m; r += fma::kBlockRows) {
+          const int64_t row = g.row0 + r;
+          fma::block<BF16>(BF16 ? nullptr : c + row * ldc, BF16 ? c16 + row * ldc : nullptr, ldc, a + row * lda,
+                           std::min(fma::kBlockRows, g.m - r), lda, g.w, n, k, p0, p1, nullptr);
+        }
+        i += p1 - p0;
+      }
+    }
+  });
+}
+
+// moe_experts on the AVX2 kernels, for weights packed as gemm_bf16_fma / gemm_f32_fma take them (gate
+// rows, then up rows): the gate/up GEMMs, the activation op (silu_mul / gelu_tanh_mul) over all
+// pairs, the down GEMMs, then the weighting and sum with moe_walk's roundings.
+template <bool BF16>
+void moe_fma(at::Tensor& out, const at::Tensor& x, const at::Tensor& order, const std::vector<int64_t>& counts,
+             const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& weights,
+             int act, int64_t inter) {
+  using T = std::conditional_t<BF16, c10::BFloat16, float>;
+  const int64_t n = x.size(0), h = x.size(1), pairs = order.numel(), k = pairs / n;
+  const int64_t* ord = order.data_ptr<int64_t>();
+  const T* xp = x.data_ptr<T>();
+  // fp32 rows, +16 floats a row as gemm_bf16_fma widens them (rows 4 KiB apart would share L1 sets)
+  const int64_t ldx = h + 16, ldm = BF16 ? inter + 16 : inter;
+  std::vector<float> xs(pairs * ldx), midf(BF16 ? pairs * ldm : 0);
+  at::parallel_for(0, pairs, 16, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) batchgen_cpu::row_to_f32(xp + ord[p] / k * h, xs.data() + p * ldx, h);
+  });
+  std::vector<FmaGroup> up_groups, down_groups;
+  for (int64_t ex = 0, r = 0; ex < static_cast<int64_t>(counts.size()); r += counts[ex++]) {
+    if (counts[ex] == 0) continue;
+    up_groups.push_back({r, counts[ex], gate_up[ex].data_ptr()});
+    down_groups.push_back({r, counts[ex], down[ex].data_ptr()});
+  }
+  auto gu = x.new_empty({pairs, 2 * inter}), mid = x.new_empty({pairs, inter}), y = x.new_empty({pairs, h});
+  const auto c32 = [](at::Tensor& t) { return BF16 ? nullptr : reinterpret_cast<float*>(t.data_ptr()); };
+  const auto c16 = [](at::Tensor& t) { return BF16 ? reinterpret_cast<uint16_t*>(t.data_ptr()) : nullptr; };
+  fma_groups<BF16>(up_groups, xs.data(), ldx, 2 * inter, h, c32(gu), c16(gu), 2 * inter);
+  static const auto silu = c10::Dispatcher::singleton().findSchemaOrThrow("batchgen_cpu::silu_mul", "")
+                               .typed<void(at::Tensor, at::Tensor)>();
+  static const auto gelu = c10::Dispatcher::singleton().findSchemaOrThrow("batchgen_cpu::gelu_tanh_mul", "")
+                               .typed<void(at::Tensor, at::Tensor)>();
+  (act == 1 ? silu : gelu).call(mid, gu);
+  const float* a = BF16 ? midf.data() : reinterpret_cast<const float*>(mid.data_ptr());
+  if constexpr (BF16) {
+    const T* mp = mid.data_ptr<T>();
+    at::parallel_for(0, pairs, 16, [&](int64_t b, int64_t e) {
+      for (int64_t p = b; p < e; ++p) batchgen_cpu::row_to_f32(mp + p * inter, midf.data() + p * ldm, inter);
+    });
+  }
+  fma_groups<BF16>(down_groups, a, ldm, h, inter, c32(y), c16(y), h);
+  std::vector<int64_t> slot_pair(pairs);
+  for (int64_t p = 0; p < pairs; ++p) slot_pair[ord[p]] = p;
+  const T* yp = y.data_ptr<T>();
+  const float* wp = weights.data_ptr<float>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, n, 4, [&](int64_t b, int64_t e) {
+    // each product and each partial sum rounded to T, as the loop does, a row at a time through fp32
+    // rows (the conversions vectorised; through memory, so no product is fused into its add)
+    std::vector<float> acc(h), v(h);
+    std::vector<T> rounded(h);
+    const auto round = [&](std::vector<float>& f) {
+      batchgen_cpu::row_from_f32(f.data(), rounded.data(), h);
+      batchgen_cpu::row_to_f32(rounded.data(), f.data(), h);
+    };
+    for (int64_t i = b; i < e; ++i) {
+      for (int64_t j = 0; j < k; ++j) {
+        batchgen_cpu::row_to_f32(yp + slot_pair[i * k + j] * h, v.data(), h);
+        const float w = wp[i * k + j];
+        for (int64_t c = 0; c < h; ++c) v[c] *= w;
+        round(v);
+        if (j == 0) {
+          acc.swap(v);
+          continue;
+        }
+        for (int64_t c = 0; c < h; ++c) acc[c] += v[c];
+        round(acc);
+      }
+      batchgen_cpu::row_from_f32(acc.data(), op + i * h, h);
+    }
   });
 }
 #endif
@@ -874,8 +988,12 @@ void moe_walk(at::Tensor& out, const at::Tensor& x, const at::Tensor& order, con
 // gate_up / down: each expert's weights from pack_bf16_weight (x bf16) or pack_f32_weight (x fp32),
 // gate_up gated (16-row gate and up blocks alternating) with act 1 (SiLU) or 2 (GELU-tanh);
 // weights [n, k] fp32: each pair's routing weight (as the dtype the family rounds it to).
+// interleaved: gate_up packed gated, its 16-row blocks alternating (gemm_bf16's and gemm_f32_avx512's
+// epilogue applies act: the AVX-512 walks); else its gate rows then its up rows, as the AVX2 kernels
+// (gemm_bf16_fma, gemm_f32_fma) take them, with act applied between the GEMMs.
 void moe_experts(at::Tensor out, at::Tensor x, at::Tensor order, std::vector<int64_t> counts,
-                 std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, at::Tensor weights, int64_t act) {
+                 std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, at::Tensor weights, int64_t act,
+                 bool interleaved) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (bf16 || x.scalar_type() == at::kFloat),
               "moe_experts: x [n, H] contiguous, bf16 or fp32");
@@ -892,7 +1010,6 @@ void moe_experts(at::Tensor out, at::Tensor x, at::Tensor order, std::vector<int
   int64_t total = 0;
   for (int64_t c : counts) total += c;
   TORCH_CHECK(total == pairs, "moe_experts: the expert counts add up to ", total, ", not the ", pairs, " pairs");
-  if (n == 0) return;
   // packed shapes: bf16 [blocks, K / 2, 16, 2], fp32 [blocks, K, 16]
   const int64_t per_line = bf16 ? 2 : 1, dims = bf16 ? 4 : 3;
   const auto k_of = [&](const at::Tensor& w) { return w.size(1) * per_line; };
@@ -906,6 +1023,18 @@ void moe_experts(at::Tensor out, at::Tensor x, at::Tensor order, std::vector<int
                     g.scalar_type() == x.scalar_type() && d.scalar_type() == x.scalar_type() &&
                     g.size(0) == gu_nblk && k_of(g) == h && d.size(0) == d_nblk && k_of(d) == inter,
                 "moe_experts: expert ", e, "'s weights are not packed [2I, H] and [H, I] like expert 0's, for x's dtype");
+  }
+  if (n == 0) return;
+  if (!interleaved) {
+#ifdef BATCHGEN_FMA
+    if (bf16)
+      moe_fma<true>(out, x, order, counts, gate_up, down, weights, act, inter);
+    else
+      moe_fma<false>(out, x, order, counts, gate_up, down, weights, act, inter);
+#else
+    TORCH_CHECK(false, "moe_experts: this build has no AVX2/FMA (check has_fma_bf16_gemm first)");
+#endif
+    return;
   }
   if (bf16) {
 #ifdef BATCHGEN_DPBF16
@@ -1108,6 +1237,6 @@ TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
   m.def("gemm_f32_fma(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()", &gemm_f32_fma);
   m.def("has_amx_gemm() -> bool", &has_amx_gemm);
   m.def("moe_experts(Tensor(a!) out, Tensor x, Tensor order, int[] counts, Tensor[] gate_up, Tensor[] down, "
-        "Tensor weights, int act) -> ()", &moe_experts);
+        "Tensor weights, int act, bool interleaved=True) -> ()", &moe_experts);
   m.def("gemm_bf16_amx(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, int act=0) -> ()", &gemm_bf16_amx);
 }

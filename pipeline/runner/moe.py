@@ -8,9 +8,9 @@ top-k experts, renormalised to sum to 1 where the family does (Mixtral always, t
 On the CPU the tokens are grouped by expert (one stable sort) and each active expert runs one
 gate/up GEMM and one down GEMM over its tokens; the weighted outputs are added back per token in
 ascending expert order, as transformers adds them. Where the experts are on our packed GEMMs
-(dpbf16, or fp32 on AVX-512) that is one C++ op a layer (`moe_experts`, kernels/csrc/gemm_cpu.cpp:
-all experts' GEMMs in one parallel region, split by cost); elsewhere a Python loop over the
-experts. On CUDA the experts run as two grouped GEMMs over the tokens sorted by expert
+(dpbf16; fma: the AVX2 kernels, or fp32 on the AVX-512 walk) that is one C++ op a layer
+(`moe_experts`, kernels/csrc/gemm_cpu.cpp: each of its GEMMs over all experts in one parallel
+region, split by cost); elsewhere (oneDNN, amx) a Python loop over the experts. On CUDA the experts run as two grouped GEMMs over the tokens sorted by expert
 (batchgen.kernels.fused_moe, a Triton kernel).
 """
 from __future__ import annotations
@@ -80,12 +80,16 @@ class SparseMoE:
         else:
             self.experts = [(Linear(gu, None, linear_path, gated=gated), Linear(d, None, linear_path))
                             for gu, d in zip(gate_up, down)]
-        # every expert on one of the walks moe_experts runs: the op's weight lists and activation
+        # Experts on a GEMM moe_experts runs take the op: the AVX-512 walks (dpbf16, fp32 on fma with
+        # AVX-512), their activation in the gate/up epilogue, or the AVX2 kernels (fma), with it
+        # applied between; the op's weight lists, activation and gate/up layout.
         gu0, d0 = self.experts[0] if self.experts else (None, None)
         self.packed = None
-        if gu0 is not None and gu0.fused_act in GATED_ACTS and gu0.path in ("dpbf16", "fma") and d0.path == gu0.path:
-            self.packed = ([gu.weight for gu, _ in self.experts], [d.weight for _, d in self.experts])
-            self.act = GATED_ACTS[gu0.fused_act]
+        if gu0 is not None and gated in GATED_ACTS and gu0.out_features % 32 == 0 and d0.path == gu0.path:
+            walk = gu0.fused_act == gated and gu0.path in ("dpbf16", "fma")
+            if walk or (gu0.fused_act is None and gu0.path == "fma"):
+                self.packed = ([gu.weight for gu, _ in self.experts], [d.weight for _, d in self.experts])
+                self.act, self.interleaved = GATED_ACTS[gated], walk
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [n, k], expert ids [n, k]) of each token."""
@@ -120,7 +124,7 @@ class SparseMoE:
         if self.packed is not None:
             out = torch.empty_like(x)
             torch.ops.batchgen_cpu.moe_experts(out, x.contiguous(), order, counts, *self.packed,
-                                               weights.float().contiguous(), self.act)
+                                               weights.float().contiguous(), self.act, self.interleaved)
             return out
         tokens = order // k
         flat_weights = weights.flatten()[order]
