@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cpu_common.h"
@@ -44,6 +45,23 @@ constexpr int64_t kCols = 16;        // columns per packed block (one zmm, or tw
 constexpr int64_t kPanel = 4;        // blocks per register tile: 64 columns
 constexpr int kRows = 6;             // rows per register tile: 6 x 4 accumulators
 constexpr int64_t kItemRows = 8;  // the grouped walks' cost of a panel's weight stream, in rows (walk_groups)
+
+// The grouped walks' work split: item i (group i / panels, a panel of it) costs its group's rows
+// plus kItemRows; thread t of `threads` takes the items whose cost starts in its share of the total.
+struct ItemSplit {
+  std::vector<int64_t> before;  // the cost of the items before each; back(): the total
+  template <class G>
+  ItemSplit(const std::vector<G>& groups, int64_t panels) : before(groups.size() * panels + 1, 0) {
+    for (size_t i = 0; i + 1 < before.size(); ++i) before[i + 1] = before[i] + groups[i / panels].m + kItemRows;
+  }
+  int64_t items() const { return static_cast<int64_t>(before.size()) - 1; }
+  std::pair<int64_t, int64_t> range(int64_t t, int64_t threads) const {
+    const auto first = [&](int64_t share) {
+      return std::lower_bound(before.begin(), before.end() - 1, before.back() * share / threads) - before.begin();
+    };
+    return {first(t), t + 1 == threads ? items() : first(t + 1)};
+  }
+};
 constexpr int64_t kChunkLines = 1024;  // lines per L2 chunk of a panel (4 x 1024 x 64 B = 256 KiB)
 
 bool has_dpbf16_gemm() {
@@ -359,20 +377,15 @@ template <class S>
 void walk_groups(const std::vector<Group<S>>& groups, int64_t lda, int64_t nblk, int64_t k, int64_t n, int act) {
   if (groups.empty()) return;
   const Chunks ck(k, S::kPerLine);
-  const int64_t panels = (nblk + kPanel - 1) / kPanel, items = static_cast<int64_t>(groups.size()) * panels;
-  std::vector<int64_t> before(items + 1, 0);  // the cost of the items before each
+  const int64_t panels = (nblk + kPanel - 1) / kPanel;
+  const ItemSplit split(groups, panels);
   int64_t rows_max = 0;
-  for (int64_t i = 0; i < items; ++i) before[i + 1] = before[i] + groups[i / panels].m + kItemRows;
   for (const auto& g : groups) rows_max = std::max(rows_max, g.m);
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), split.items());
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> part(ck.count > 1 ? rows_max * 64 : 0);
     for (int64_t t = t0; t < t1; ++t) {
-      // the items whose cost starts in this thread's share of the total
-      const auto first_item = [&](int64_t share) {
-        return std::lower_bound(before.begin(), before.end() - 1, before[items] * share / threads) - before.begin();
-      };
-      const int64_t begin = first_item(t), end = t + 1 == threads ? items : first_item(t + 1);
+      const auto [begin, end] = split.range(t, threads);
       for (int64_t i = begin; i < end; ++i) {
         const Group<S>& g = groups[i / panels];
         const bool next = i + 1 < end;
@@ -885,16 +898,12 @@ template <bool BF16>
 void fma_groups(const std::vector<FmaGroup>& groups, const float* a, int64_t lda, int64_t n, int64_t k, float* c,
                 uint16_t* c16, int64_t ldc) {
   if (groups.empty()) return;
-  const int64_t panels = (n + kCols - 1) / kCols, items = static_cast<int64_t>(groups.size()) * panels;
-  std::vector<int64_t> before(items + 1, 0);
-  for (int64_t i = 0; i < items; ++i) before[i + 1] = before[i] + groups[i / panels].m + kItemRows;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  const int64_t panels = (n + kCols - 1) / kCols;
+  const ItemSplit split(groups, panels);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), split.items());
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const auto first_item = [&](int64_t share) {
-        return std::lower_bound(before.begin(), before.end() - 1, before[items] * share / threads) - before.begin();
-      };
-      const int64_t begin = first_item(t), end = t + 1 == threads ? items : first_item(t + 1);
+      const auto [begin, end] = split.range(t, threads);
       for (int64_t i = begin; i < end;) {  // one group's run of panels at a time
         const int64_t p0 = i % panels, p1 = std::min(panels, p0 + (end - i));
         const FmaGroup& g = groups[i / panels];
