@@ -555,6 +555,10 @@ def test_moe_experts_op_refuses_bad_arguments(dtype, path):
         op(out, x, order, [2, 2, 2], gu, d, weights, 1, moe.interleaved)
     with pytest.raises(RuntimeError, match="expert 2's weights"):
         op(out, x, order, [2, 2, 1, 1], gu[:2] + [d[2]] + gu[3:], d, weights, 1, moe.interleaved)
+    with pytest.raises(RuntimeError, match="not a permutation of the 6 pairs"):
+        op(out, x, torch.tensor([0, 1, 2, 3, 4, 4]), [2, 2, 1, 1], gu, d, weights, 1, moe.interleaved)
+    with pytest.raises(RuntimeError, match="not a permutation"):
+        op(out, x, torch.tensor([0, 1, 2, 3, 4, 60]), [2, 2, 1, 1], gu, d, weights, 1, moe.interleaved)
     with pytest.raises(RuntimeError, match="act is 1"):
         op(out, x, order, [2, 2, 1, 1], gu, d, weights, 0, moe.interleaved)
     assert moe(x[:0], lambda t: t).shape == (0, 64)  # a step with no tokens for this layer

@@ -822,13 +822,14 @@ void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at
 }
 
 // ---------------------------------------------------------------------------------------------
-// moe_experts: a sparse MoE block's experts on gemm_bf16's and gemm_f32_avx512's walks, one op per
-// layer. The Python loop it replaces ran each active expert as its own two GEMM calls and six
-// torch ops around them; with 128 experts of which a decode step's tokens touch most, that is ~1,000
-// calls a layer, each with its fork and join. Here the pairs' rows are gathered once, each GEMM's
-// (expert, panel) items are split over the threads in one parallel region (walk_groups), and the
-// outputs are weighted and summed per token in ascending expert order, rounding as the loop did
-// (the down output to the dtype, times the routing weight, rounded, then added slot by slot).
+// moe_experts: a sparse MoE block's experts, one op per layer, on gemm_bf16's and gemm_f32_avx512's
+// walks (moe_walk) or on the AVX2 kernels (moe_fma). The Python loop it replaces ran each active
+// expert as two GEMM calls and five torch ops around them; with 128 experts of which a decode
+// step's tokens touch most, that is ~1,000 calls a layer, each with its fork and join. Here the
+// pairs' rows are gathered once, each GEMM's (expert, panel) items are split over the threads in one
+// parallel region (walk_groups, fma_groups), and the outputs are weighted and summed per token in
+// ascending expert order, rounding as the loop did (the down output to the dtype, times the routing
+// weight, rounded, then added slot by slot). slot_pair: each (token, slot)'s pair in expert order.
 
 #ifdef BATCHGEN_AVX512F
 template <class S>
@@ -842,7 +843,7 @@ inline __m512 load16(const typename S::C* p, __mmask16 m) {
 template <class S>
 void moe_walk(at::Tensor& out, const at::Tensor& x, const at::Tensor& order, const std::vector<int64_t>& counts,
               const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& weights,
-              int act, int64_t inter, int64_t gu_nblk, int64_t d_nblk) {
+              const std::vector<int64_t>& slot_pair, int act, int64_t inter, int64_t gu_nblk, int64_t d_nblk) {
   using T = typename S::C;
   const int64_t n = x.size(0), h = x.size(1), pairs = order.numel(), k = pairs / n;
   const int64_t* ord = order.data_ptr<int64_t>();
@@ -851,8 +852,6 @@ void moe_walk(at::Tensor& out, const at::Tensor& x, const at::Tensor& order, con
   T* xsp = reinterpret_cast<T*>(xs.data_ptr());
   T* midp = reinterpret_cast<T*>(mid.data_ptr());
   T* yp = reinterpret_cast<T*>(y.data_ptr());
-  std::vector<int64_t> slot_pair(pairs);  // (token, slot) -> its pair in expert order
-  for (int64_t p = 0; p < pairs; ++p) slot_pair[ord[p]] = p;
   at::parallel_for(0, pairs, 16, [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p) std::memcpy(xsp + p * h, xp + ord[p] / k * h, h * sizeof(T));
   });
@@ -924,7 +923,7 @@ void fma_groups(const std::vector<FmaGroup>& groups, const float* a, int64_t lda
 template <bool BF16>
 void moe_fma(at::Tensor& out, const at::Tensor& x, const at::Tensor& order, const std::vector<int64_t>& counts,
              const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& weights,
-             int act, int64_t inter) {
+             const std::vector<int64_t>& slot_pair, int act, int64_t inter) {
   using T = std::conditional_t<BF16, c10::BFloat16, float>;
   const int64_t n = x.size(0), h = x.size(1), pairs = order.numel(), k = pairs / n;
   const int64_t* ord = order.data_ptr<int64_t>();
@@ -958,8 +957,6 @@ void moe_fma(at::Tensor& out, const at::Tensor& x, const at::Tensor& order, cons
     });
   }
   fma_groups<BF16>(down_groups, a, ldm, h, inter, c32(y), c16(y), h);
-  std::vector<int64_t> slot_pair(pairs);
-  for (int64_t p = 0; p < pairs; ++p) slot_pair[ord[p]] = p;
   const T* yp = y.data_ptr<T>();
   const float* wp = weights.data_ptr<float>();
   T* op = out.data_ptr<T>();
@@ -994,12 +991,12 @@ void moe_fma(at::Tensor& out, const at::Tensor& x, const at::Tensor& order, cons
 // out [n, H] = the sum over each token's k experts of weight * down(act(gate) * up), the MLPs of a
 // sparse MoE block. x [n, H]; order [n * k]: the (token, slot) pairs (slot j of token t is t * k + j,
 // its experts ascending) sorted by expert, stably; counts [E]: each expert's pairs, in that order;
-// gate_up / down: each expert's weights from pack_bf16_weight (x bf16) or pack_f32_weight (x fp32),
-// gate_up gated (16-row gate and up blocks alternating) with act 1 (SiLU) or 2 (GELU-tanh);
-// weights [n, k] fp32: each pair's routing weight (as the dtype the family rounds it to).
-// interleaved: gate_up packed gated, its 16-row blocks alternating (gemm_bf16's and gemm_f32_avx512's
-// epilogue applies act: the AVX-512 walks); else its gate rows then its up rows, as the AVX2 kernels
-// (gemm_bf16_fma, gemm_f32_fma) take them, with act applied between the GEMMs.
+// gate_up [2I, H] / down [H, I]: each expert's weights from pack_bf16_weight (x bf16) or
+// pack_f32_weight (x fp32); act 1 (SiLU) or 2 (GELU-tanh) over the gate/up output; weights [n, k]
+// fp32: each pair's routing weight (as the dtype the family rounds it to). interleaved: gate_up's
+// 16-row gate and up blocks alternate (the gated layout of gemm_bf16 and gemm_f32_avx512, whose
+// epilogue applies act: the AVX-512 walks); else its gate rows come first, then its up rows, as the
+// AVX2 kernels (gemm_bf16_fma, gemm_f32_fma) take them, with act applied between the GEMMs.
 void moe_experts(at::Tensor out, at::Tensor x, at::Tensor order, std::vector<int64_t> counts,
                  std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, at::Tensor weights, int64_t act,
                  bool interleaved) {
@@ -1017,8 +1014,18 @@ void moe_experts(at::Tensor out, at::Tensor x, at::Tensor order, std::vector<int
   TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == experts && static_cast<int64_t>(down.size()) == experts &&
                   experts > 0, "moe_experts: one gate_up and one down weight per expert count");
   int64_t total = 0;
-  for (int64_t c : counts) total += c;
+  for (int64_t c : counts) {
+    TORCH_CHECK(c >= 0, "moe_experts: a negative expert count");
+    total += c;
+  }
   TORCH_CHECK(total == pairs, "moe_experts: the expert counts add up to ", total, ", not the ", pairs, " pairs");
+  std::vector<int64_t> slot_pair(pairs, -1);  // the op writes through it: order must be a permutation
+  const int64_t* ord = order.data_ptr<int64_t>();
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK(ord[p] >= 0 && ord[p] < pairs && slot_pair[ord[p]] < 0, "moe_experts: order is not a permutation of "
+                "the ", pairs, " pairs (entry ", p, ": ", ord[p], ")");
+    slot_pair[ord[p]] = p;
+  }
   // packed shapes: bf16 [blocks, K / 2, 16, 2], fp32 [blocks, K, 16]
   const int64_t per_line = bf16 ? 2 : 1, dims = bf16 ? 4 : 3;
   const auto k_of = [&](const at::Tensor& w) { return w.size(1) * per_line; };
@@ -1037,9 +1044,9 @@ void moe_experts(at::Tensor out, at::Tensor x, at::Tensor order, std::vector<int
   if (!interleaved) {
 #ifdef BATCHGEN_FMA
     if (bf16)
-      moe_fma<true>(out, x, order, counts, gate_up, down, weights, act, inter);
+      moe_fma<true>(out, x, order, counts, gate_up, down, weights, slot_pair, act, inter);
     else
-      moe_fma<false>(out, x, order, counts, gate_up, down, weights, act, inter);
+      moe_fma<false>(out, x, order, counts, gate_up, down, weights, slot_pair, act, inter);
 #else
     TORCH_CHECK(false, "moe_experts: this build has no AVX2/FMA (check has_fma_bf16_gemm first)");
 #endif
@@ -1048,15 +1055,15 @@ void moe_experts(at::Tensor out, at::Tensor x, at::Tensor order, std::vector<int
   if (bf16) {
 #ifdef BATCHGEN_DPBF16
     if (half_width_avx512())
-      moe_walk<Bf16>(out, x, order, counts, gate_up, down, weights, act, inter, gu_nblk, d_nblk);
+      moe_walk<Bf16>(out, x, order, counts, gate_up, down, weights, slot_pair, act, inter, gu_nblk, d_nblk);
     else
-      moe_walk<Bf16L1>(out, x, order, counts, gate_up, down, weights, act, inter, gu_nblk, d_nblk);
+      moe_walk<Bf16L1>(out, x, order, counts, gate_up, down, weights, slot_pair, act, inter, gu_nblk, d_nblk);
 #else
     TORCH_CHECK(false, "moe_experts: this build has no AVX512-BF16 (check has_dpbf16_gemm first)");
 #endif
   } else {
 #ifdef BATCHGEN_AVX512F
-    moe_walk<F32>(out, x, order, counts, gate_up, down, weights, act, inter, gu_nblk, d_nblk);
+    moe_walk<F32>(out, x, order, counts, gate_up, down, weights, slot_pair, act, inter, gu_nblk, d_nblk);
 #else
     TORCH_CHECK(false, "moe_experts: this build has no AVX-512 (check has_avx512_f32_gemm first)");
 #endif
