@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -44,7 +45,8 @@ namespace {
 constexpr int64_t kCols = 16;        // columns per packed block (one zmm, or two ymm, of fp32 sums)
 constexpr int64_t kPanel = 4;        // blocks per register tile: 64 columns
 constexpr int kRows = 6;             // rows per register tile: 6 x 4 accumulators
-constexpr int64_t kItemRows = 8;  // the grouped walks' cost of a panel's weight stream, in rows (walk_groups)
+constexpr int64_t kChunkLines = 1024;  // lines per L2 chunk of a panel (4 x 1024 x 64 B = 256 KiB)
+constexpr int64_t kItemRows = 8;     // the grouped walks' cost of a panel's weight stream, in rows (walk_groups)
 
 // The grouped walks' work split: item i (group i / panels, a panel of it) costs its group's rows
 // plus kItemRows; thread t of `threads` takes the items whose cost starts in its share of the total.
@@ -62,7 +64,6 @@ struct ItemSplit {
     return {first(t), t + 1 == threads ? items() : first(t + 1)};
   }
 };
-constexpr int64_t kChunkLines = 1024;  // lines per L2 chunk of a panel (4 x 1024 x 64 B = 256 KiB)
 
 bool has_dpbf16_gemm() {
 #ifdef BATCHGEN_DPBF16
@@ -372,7 +373,6 @@ struct Group {
 // walking its items in order and prefetching the next one's weights across group boundaries. One
 // call per expert instead costs a fork and join per GEMM, and at a decode step's 1-16 rows per
 // expert the single small call's panels split unevenly over the threads.
-
 template <class S>
 void walk_groups(const std::vector<Group<S>>& groups, int64_t lda, int64_t nblk, int64_t k, int64_t n, int act) {
   if (groups.empty()) return;
@@ -831,15 +831,39 @@ void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at
 // ascending expert order, rounding as the loop did (the down output to the dtype, times the routing
 // weight, rounded, then added slot by slot). slot_pair: each (token, slot)'s pair in expert order.
 
-#ifdef BATCHGEN_AVX512F
-template <class S>
-inline __m512 load16(const typename S::C* p, __mmask16 m) {
-  if constexpr (sizeof(typename S::C) == 2)
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-  else
-    return _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(p));
+// out [n, h] (T: c10::BFloat16 or float): for each token, its k slots' down outputs (y's rows, in
+// expert order: slot_pair) times their routing weights, each product rounded to T, added slot by
+// slot with each partial sum rounded to T, as the loop's torch ops round them. A row at a time
+// through fp32 rows (the conversions vectorised), so no product is fused into its add.
+template <class T>
+void weigh_and_sum(T* out, const T* y, const float* weights, const std::vector<int64_t>& slot_pair, int64_t n,
+                   int64_t k, int64_t h) {
+  at::parallel_for(0, n, 4, [&](int64_t b, int64_t e) {
+    std::vector<float> acc(h), v(h);
+    std::vector<T> rounded(h);
+    const auto round = [&](std::vector<float>& f) {
+      batchgen_cpu::row_from_f32(f.data(), rounded.data(), h);
+      batchgen_cpu::row_to_f32(rounded.data(), f.data(), h);
+    };
+    for (int64_t i = b; i < e; ++i) {
+      for (int64_t j = 0; j < k; ++j) {
+        batchgen_cpu::row_to_f32(y + slot_pair[i * k + j] * h, v.data(), h);
+        const float w = weights[i * k + j];
+        for (int64_t c = 0; c < h; ++c) v[c] *= w;
+        round(v);
+        if (j == 0) {
+          acc.swap(v);
+          continue;
+        }
+        for (int64_t c = 0; c < h; ++c) acc[c] += v[c];
+        round(acc);
+      }
+      batchgen_cpu::row_from_f32(acc.data(), out + i * h, h);
+    }
+  });
 }
 
+#ifdef BATCHGEN_AVX512F
 template <class S>
 void moe_walk(at::Tensor& out, const at::Tensor& x, const at::Tensor& order, const std::vector<int64_t>& counts,
               const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& weights,
@@ -863,23 +887,9 @@ void moe_walk(at::Tensor& out, const at::Tensor& x, const at::Tensor& order, con
   }
   walk_groups<S>(up_groups, h, gu_nblk, h, 2 * inter, act);
   walk_groups<S>(down_groups, inter, d_nblk, inter, h, 0);
-  const float* wp = weights.data_ptr<float>();
-  T* op = reinterpret_cast<T*>(out.data_ptr());
-  at::parallel_for(0, n, 4, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i)
-      for (int64_t c = 0; c < h; c += kCols) {
-        const __mmask16 m = static_cast<__mmask16>((1u << std::min<int64_t>(kCols, h - c)) - 1u);
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t j = 0; j < k; ++j) {
-          const int64_t q = i * k + j;
-          __m512 v = _mm512_mul_ps(load16<S>(yp + slot_pair[q] * h + c, m), _mm512_set1_ps(wp[q]));
-          asm volatile("" : "+v"(v));  // a rounded product: -ffast-math would fuse it into the add
-          v = S::gate_in(v);
-          acc = j == 0 ? v : S::gate_in(_mm512_add_ps(acc, v));
-        }
-        S::store(op + i * h + c, m, acc);
-      }
-  });
+  using E = std::conditional_t<sizeof(T) == 2, c10::BFloat16, float>;
+  weigh_and_sum(reinterpret_cast<E*>(out.data_ptr()), reinterpret_cast<const E*>(yp), weights.data_ptr<float>(),
+                slot_pair, n, k, h);
 }
 #endif
 
@@ -957,34 +967,7 @@ void moe_fma(at::Tensor& out, const at::Tensor& x, const at::Tensor& order, cons
     });
   }
   fma_groups<BF16>(down_groups, a, ldm, h, inter, c32(y), c16(y), h);
-  const T* yp = y.data_ptr<T>();
-  const float* wp = weights.data_ptr<float>();
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, n, 4, [&](int64_t b, int64_t e) {
-    // each product and each partial sum rounded to T, as the loop does, a row at a time through fp32
-    // rows (the conversions vectorised; through memory, so no product is fused into its add)
-    std::vector<float> acc(h), v(h);
-    std::vector<T> rounded(h);
-    const auto round = [&](std::vector<float>& f) {
-      batchgen_cpu::row_from_f32(f.data(), rounded.data(), h);
-      batchgen_cpu::row_to_f32(rounded.data(), f.data(), h);
-    };
-    for (int64_t i = b; i < e; ++i) {
-      for (int64_t j = 0; j < k; ++j) {
-        batchgen_cpu::row_to_f32(yp + slot_pair[i * k + j] * h, v.data(), h);
-        const float w = wp[i * k + j];
-        for (int64_t c = 0; c < h; ++c) v[c] *= w;
-        round(v);
-        if (j == 0) {
-          acc.swap(v);
-          continue;
-        }
-        for (int64_t c = 0; c < h; ++c) acc[c] += v[c];
-        round(acc);
-      }
-      batchgen_cpu::row_from_f32(acc.data(), op + i * h, h);
-    }
-  });
+  weigh_and_sum(out.data_ptr<T>(), y.data_ptr<T>(), weights.data_ptr<float>(), slot_pair, n, k, h);
 }
 #endif
 

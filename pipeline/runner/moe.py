@@ -10,8 +10,9 @@ gate/up GEMM and one down GEMM over its tokens; the weighted outputs are added b
 ascending expert order, as transformers adds them. Where the experts are on our packed GEMMs
 (dpbf16; fma: the AVX2 kernels, or fp32 on the AVX-512 walk) that is one C++ op a layer
 (`moe_experts`, kernels/csrc/gemm_cpu.cpp: each of its GEMMs over all experts in one parallel
-region, split by cost); elsewhere (oneDNN, amx) a Python loop over the experts. On CUDA the experts run as two grouped GEMMs over the tokens sorted by expert
-(batchgen.kernels.fused_moe, a Triton kernel).
+region, split by cost); elsewhere (oneDNN, amx) a Python loop over the experts. On CUDA the
+experts run as two grouped GEMMs over the tokens sorted by expert (batchgen.kernels.fused_moe, a
+Triton kernel).
 """
 from __future__ import annotations
 
