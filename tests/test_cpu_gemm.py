@@ -562,3 +562,74 @@ def test_moe_experts_op_refuses_bad_arguments(dtype, path):
     with pytest.raises(RuntimeError, match="act is 1"):
         op(out, x, order, [2, 2, 1, 1], gu, d, weights, 0, moe.interleaved)
     assert moe(x[:0], lambda t: t).shape == (0, 64)  # a step with no tokens for this layer
+
+
+def _moe_tokens(tokens, hidden, seed, dtype=torch.bfloat16):
+    return torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@needs_op
+def test_amx_experts_take_the_op_with_the_walks_layout(monkeypatch):
+    """Experts on amx (AMX CPUs) take moe_experts with amx_rows: their packed weights are the walk's
+    (with amx_rows 0 the op gives what the dpbf16 experts give), and a build without AMX refuses
+    amx_rows rather than running the walk for it."""
+    from batchgen.runner import moe as moe_mod
+
+    monkeypatch.setattr(linear, "amx_gemm_available", lambda: True)  # packs as amx would; no amx call runs
+    amx, _, _ = _sparse_moe(torch.bfloat16, 8, 2, 256, 96, path="amx")
+    monkeypatch.undo()
+    dp, _, _ = _sparse_moe(torch.bfloat16, 8, 2, 256, 96, path="dpbf16")
+    assert amx.experts[0][0].path == "amx" and amx.packed is not None and amx.interleaved
+    assert amx.amx_rows == moe_mod.AMX_ROWS > 0 and dp.amx_rows == 0
+    x = _moe_tokens(40, 256, 1)
+    from batchgen.kernels import cpu_attention as ops
+
+    if not linear.amx_gemm_available():
+        with pytest.raises(RuntimeError, match="this build has no AMX"):
+            amx(x, ops.silu_mul)
+    amx.amx_rows = 0
+    assert torch.equal(amx(x, ops.silu_mul), dp(x, ops.silu_mul))
+
+
+@needs_op
+def test_moe_experts_op_refuses_bad_amx_rows():
+    moe, _, _ = _sparse_moe(torch.bfloat16, 4, 2, 64, 32, path="dpbf16")
+    x = torch.randn(3, 64).bfloat16()
+    args = (torch.empty_like(x), x, torch.arange(6), [2, 2, 1, 1], *moe.packed, torch.full((3, 2), 0.5), 1)
+    op = torch.ops.batchgen_cpu.moe_experts
+    with pytest.raises(RuntimeError, match="amx_rows is 0"):
+        op(*args, True, -1)
+    with pytest.raises(RuntimeError, match="amx_rows takes bf16 weights in the interleaved"):
+        op(*args, False, 16)
+
+
+@needs_amx
+# a decode step (every expert on the walk), a step split between both (32, 41 and 35 pairs on the
+# tiles: amx_rows itself and ragged 16-row tiles; 21-30 on the walk), every expert on the tiles
+@pytest.mark.parametrize("tokens,split", [(3, "walk"), (120, "mixed"), (400, "amx")])
+def test_moe_experts_on_amx_tiles_equal_the_expert_loop(tokens, split):
+    """On AMX the op runs the experts of at least amx_rows pairs on the AMX tiles and the rest on the
+    walk: it equals the Python loop over the same split (each expert's GEMMs on gemm_bf16_amx or
+    gemm_bf16) bit for bit, and a float64 evaluation of the block."""
+    from batchgen.kernels import cpu_attention as ops
+
+    amx, gate_up, down = _sparse_moe(torch.bfloat16, 8, 2, 256, 96, seed=5, path="amx")
+    dp, _, _ = _sparse_moe(torch.bfloat16, 8, 2, 256, 96, seed=5, path="dpbf16")
+    assert amx.experts[0][0].path == "amx" and amx.amx_rows == 32
+    x = _moe_tokens(tokens, 256, tokens)
+    weights, ids = amx.route(x)
+    counts = torch.bincount(ids.flatten(), minlength=8).tolist()
+    on_amx = [c >= amx.amx_rows for c in counts]
+    assert split == ("amx" if all(on_amx) else "walk" if not any(on_amx) else "mixed")
+    got = amx(x, ops.silu_mul)
+    dp.experts, dp.packed = [amx.experts[e] if a else dp.experts[e] for e, a in enumerate(on_amx)], None
+    assert torch.equal(got, dp(x, ops.silu_mul))
+    if split == "amx":  # the loop on amx alone
+        amx.packed = None
+        assert torch.equal(got, amx(x, ops.silu_mul))
+    ref = torch.zeros(tokens, 256, dtype=torch.float64)
+    for t in range(tokens):
+        for w, e in zip(weights[t].double(), ids[t].tolist()):
+            gu = x[t].double() @ gate_up[e].double().t()
+            ref[t] += w * (torch.nn.functional.silu(gu[:96]) * gu[96:]) @ down[e].double().t()
+    torch.testing.assert_close(got.double(), ref, rtol=0.05, atol=0.05 * ref.abs().max().item())

@@ -11,7 +11,8 @@
 // times 2 k), a register tile of up to 6 rows x 64 columns walks K, and while one panel is
 // computed the next panel's weights are prefetched into L2, spread over the row tiles of this one.
 // Panels longer than 2,048 k are cut into chunks that fit L2, with fp32 partial sums in between.
-// CPUs with AMX keep oneDNN (its AMX tiles are several times faster); the Python side decides.
+// CPUs with AMX take gemm_bf16_amx (below: the same packed weight on AMX tiles); the Python side
+// decides.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -34,6 +35,9 @@
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 #define BATCHGEN_FMA 1
+#endif
+#if defined(BATCHGEN_DPBF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define BATCHGEN_AMX 1  // gemm_bf16_amx, and moe_experts' experts of many rows (below)
 #endif
 #if defined(BATCHGEN_AVX512F) || defined(BATCHGEN_FMA)
 #include <cpuid.h>
@@ -863,11 +867,22 @@ void weigh_and_sum(T* out, const T* y, const float* weights, const std::vector<i
   });
 }
 
+#ifdef BATCHGEN_AMX
+// defined with gemm_bf16_amx below
+bool amx_permitted();
+void gemm_amx(uint16_t* c, const uint16_t* a, int64_t m, int64_t lda, const char* w, int64_t nblk, int64_t k,
+              int64_t n, const float* bias, int act);
+#endif
+
 #ifdef BATCHGEN_AVX512F
+// amx_rows > 0 (bf16, AMX builds): the experts with at least that many pairs run each GEMM as one
+// gemm_amx call (its own parallel region over the expert's 32-column units), the others in the
+// grouped walk.
 template <class S>
 void moe_walk(at::Tensor& out, const at::Tensor& x, const at::Tensor& order, const std::vector<int64_t>& counts,
               const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& weights,
-              const std::vector<int64_t>& slot_pair, int act, int64_t inter, int64_t gu_nblk, int64_t d_nblk) {
+              const std::vector<int64_t>& slot_pair, int act, int64_t inter, int64_t gu_nblk, int64_t d_nblk,
+              int64_t amx_rows) {
   using T = typename S::C;
   const int64_t n = x.size(0), h = x.size(1), pairs = order.numel(), k = pairs / n;
   const int64_t* ord = order.data_ptr<int64_t>();
@@ -879,14 +894,25 @@ void moe_walk(at::Tensor& out, const at::Tensor& x, const at::Tensor& order, con
   at::parallel_for(0, pairs, 16, [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p) std::memcpy(xsp + p * h, xp + ord[p] / k * h, h * sizeof(T));
   });
-  std::vector<Group<S>> up_groups, down_groups;
+  std::vector<Group<S>> up_groups, down_groups, amx_up, amx_down;
   for (int64_t ex = 0, r = 0; ex < static_cast<int64_t>(counts.size()); r += counts[ex++]) {
     if (counts[ex] == 0) continue;
-    up_groups.push_back({midp + r * inter, xsp + r * h, counts[ex], static_cast<const char*>(gate_up[ex].data_ptr())});
-    down_groups.push_back({yp + r * h, midp + r * inter, counts[ex], static_cast<const char*>(down[ex].data_ptr())});
+    const bool amx = amx_rows > 0 && counts[ex] >= amx_rows;
+    (amx ? amx_up : up_groups)
+        .push_back({midp + r * inter, xsp + r * h, counts[ex], static_cast<const char*>(gate_up[ex].data_ptr())});
+    (amx ? amx_down : down_groups)
+        .push_back({yp + r * h, midp + r * inter, counts[ex], static_cast<const char*>(down[ex].data_ptr())});
   }
   walk_groups<S>(up_groups, h, gu_nblk, h, 2 * inter, act);
+#ifdef BATCHGEN_AMX
+  if constexpr (std::is_same_v<typename S::C, uint16_t>)
+    for (const auto& g : amx_up) gemm_amx(g.c, g.a, g.m, h, g.w, gu_nblk, h, 2 * inter, nullptr, act);
+#endif
   walk_groups<S>(down_groups, inter, d_nblk, inter, h, 0);
+#ifdef BATCHGEN_AMX
+  if constexpr (std::is_same_v<typename S::C, uint16_t>)
+    for (const auto& g : amx_down) gemm_amx(g.c, g.a, g.m, inter, g.w, d_nblk, inter, h, nullptr, 0);
+#endif
   using E = std::conditional_t<sizeof(T) == 2, c10::BFloat16, float>;
   weigh_and_sum(reinterpret_cast<E*>(out.data_ptr()), reinterpret_cast<const E*>(yp), weights.data_ptr<float>(),
                 slot_pair, n, k, h);
@@ -980,9 +1006,12 @@ void moe_fma(at::Tensor& out, const at::Tensor& x, const at::Tensor& order, cons
 // 16-row gate and up blocks alternate (the gated layout of gemm_bf16 and gemm_f32_avx512, whose
 // epilogue applies act: the AVX-512 walks); else its gate rows come first, then its up rows, as the
 // AVX2 kernels (gemm_bf16_fma, gemm_f32_fma) take them, with act applied between the GEMMs.
+// amx_rows (bf16, interleaved; AMX builds, H and I multiples of 32): the experts with at least that
+// many pairs run on the AMX tiles (gemm_amx, the same packed weights), the rest on the walk; 0: all
+// on the walk.
 void moe_experts(at::Tensor out, at::Tensor x, at::Tensor order, std::vector<int64_t> counts,
                  std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, at::Tensor weights, int64_t act,
-                 bool interleaved) {
+                 bool interleaved, int64_t amx_rows) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (bf16 || x.scalar_type() == at::kFloat),
               "moe_experts: x [n, H] contiguous, bf16 or fp32");
@@ -1023,6 +1052,17 @@ void moe_experts(at::Tensor out, at::Tensor x, at::Tensor order, std::vector<int
                     g.size(0) == gu_nblk && k_of(g) == h && d.size(0) == d_nblk && k_of(d) == inter,
                 "moe_experts: expert ", e, "'s weights are not packed [2I, H] and [H, I] like expert 0's, for x's dtype");
   }
+  TORCH_CHECK(amx_rows >= 0, "moe_experts: amx_rows is 0 (no AMX) or a row count, got ", amx_rows);
+  if (amx_rows > 0) {
+    TORCH_CHECK(bf16 && interleaved, "moe_experts: amx_rows takes bf16 weights in the interleaved gated layout");
+#ifdef BATCHGEN_AMX
+    TORCH_CHECK(amx_permitted(), "moe_experts: the OS refused AMX tile data to this process");
+    TORCH_CHECK(h % 32 == 0 && inter % 32 == 0, "moe_experts: the AMX tiles take H and I in multiples of 32, got H ",
+                h, ", I ", inter);
+#else
+    TORCH_CHECK(false, "moe_experts: amx_rows given, but this build has no AMX (check has_amx_gemm first)");
+#endif
+  }
   if (n == 0) return;
   if (!interleaved) {
 #ifdef BATCHGEN_FMA
@@ -1038,15 +1078,17 @@ void moe_experts(at::Tensor out, at::Tensor x, at::Tensor order, std::vector<int
   if (bf16) {
 #ifdef BATCHGEN_DPBF16
     if (half_width_avx512())
-      moe_walk<Bf16>(out, x, order, counts, gate_up, down, weights, slot_pair, act, inter, gu_nblk, d_nblk);
+      moe_walk<Bf16>(out, x, order, counts, gate_up, down, weights, slot_pair, act, inter, gu_nblk, d_nblk,
+                     amx_rows);
     else
-      moe_walk<Bf16L1>(out, x, order, counts, gate_up, down, weights, slot_pair, act, inter, gu_nblk, d_nblk);
+      moe_walk<Bf16L1>(out, x, order, counts, gate_up, down, weights, slot_pair, act, inter, gu_nblk, d_nblk,
+                       amx_rows);
 #else
     TORCH_CHECK(false, "moe_experts: this build has no AVX512-BF16 (check has_dpbf16_gemm first)");
 #endif
   } else {
 #ifdef BATCHGEN_AVX512F
-    moe_walk<F32>(out, x, order, counts, gate_up, down, weights, slot_pair, act, inter, gu_nblk, d_nblk);
+    moe_walk<F32>(out, x, order, counts, gate_up, down, weights, slot_pair, act, inter, gu_nblk, d_nblk, 0);
 #else
     TORCH_CHECK(false, "moe_experts: this build has no AVX-512 (check has_avx512_f32_gemm first)");
 #endif
@@ -1065,10 +1107,6 @@ void moe_experts(at::Tensor out, at::Tensor x, at::Tensor order, std::vector<int
 // 16-row tiles of x, K in 32-k steps: 2 A tiles x 2 B tiles into 4 fp32 C tiles (2 x 2 blocking:
 // 8 tile registers), the weights of the step `kPfSteps` ahead (into the next unit at the end)
 // prefetched into L2. Rows past M come from a zero-padded copy of x's last ragged 16 rows.
-#if defined(BATCHGEN_DPBF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define BATCHGEN_AMX 1
-#endif
-
 #ifdef BATCHGEN_AMX
 }  // namespace
 #include <sys/syscall.h>
@@ -1236,6 +1274,6 @@ TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
   m.def("gemm_f32_fma(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()", &gemm_f32_fma);
   m.def("has_amx_gemm() -> bool", &has_amx_gemm);
   m.def("moe_experts(Tensor(a!) out, Tensor x, Tensor order, int[] counts, Tensor[] gate_up, Tensor[] down, "
-        "Tensor weights, int act, bool interleaved=True) -> ()", &moe_experts);
+        "Tensor weights, int act, bool interleaved=True, int amx_rows=0) -> ()", &moe_experts);
   m.def("gemm_bf16_amx(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, int act=0) -> ()", &gemm_bf16_amx);
 }

@@ -10,7 +10,8 @@ gate/up GEMM and one down GEMM over its tokens; the weighted outputs are added b
 ascending expert order, as transformers adds them. Where the experts are on our packed GEMMs
 (dpbf16; fma: the AVX2 kernels, or fp32 on the AVX-512 walk) that is one C++ op a layer
 (`moe_experts`, kernels/csrc/gemm_cpu.cpp: each of its GEMMs over all experts in one parallel
-region, split by cost); elsewhere (oneDNN, amx) a Python loop over the experts. On CUDA the
+region, split by cost). Experts on amx (AMX CPUs) take the same op: those with AMX_ROWS pairs or more
+on the AMX tiles, the rest on the dpbf16 walk. Elsewhere (oneDNN) a Python loop over the experts. On CUDA the
 experts run as two grouped GEMMs over the tokens sorted by expert (batchgen.kernels.fused_moe, a
 Triton kernel).
 """
@@ -36,6 +37,14 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 # stays in L2/L3. The MLP of a 2,048-row step measured 12-14% faster so (bf16 and fp32, 1.5B and
 # 3B shapes, AVX-512 Zen 5); 64-row tiles lose what the GEMMs gain from the larger M. Decode steps
 # (fewer rows) are not split.
+
+
+# On AMX CPUs, the pairs an expert needs before the MoE op runs its GEMMs on the AMX tiles rather than
+# the dpbf16 walk. Below it an expert's GEMMs are bound by its weight stream: on a 2-core Xeon the amx
+# GEMM ran a layer's linears at 162 GFLOP/s at 8 rows and 322 at 16 (8-10 GB/s of weights), where
+# the dpbf16 walk streamed 19 GB/s at one row; at 32 rows the amx GEMM reached 466 GFLOP/s (README,
+# The engine). The op's split on AMX has not been measured end to end yet.
+AMX_ROWS = 32
 
 
 @dataclass
@@ -84,13 +93,17 @@ class SparseMoE:
         # Experts on a GEMM moe_experts runs take the op: the AVX-512 walks (dpbf16, fp32 on fma with
         # AVX-512), their activation in the gate/up epilogue, or the AVX2 kernels (fma), with it
         # applied between; the op's weight lists, activation and gate/up layout.
+        # On AMX (amx experts: dpbf16's packed layout) the experts with AMX_ROWS pairs or more run on the
+        # AMX tiles inside the op, and the rest on the dpbf16 walk (amx_rows).
         gu0, d0 = self.experts[0] if self.experts else (None, None)
         self.packed = None
+        self.amx_rows = 0
         if gu0 is not None and gated in GATED_ACTS and gu0.out_features % 32 == 0 and d0.path == gu0.path:
-            walk = gu0.fused_act == gated and gu0.path in ("dpbf16", "fma")
+            walk = gu0.fused_act == gated and gu0.path in ("dpbf16", "fma", "amx")
             if walk or (gu0.fused_act is None and gu0.path == "fma"):
                 self.packed = ([gu.weight for gu, _ in self.experts], [d.weight for _, d in self.experts])
                 self.act, self.interleaved = GATED_ACTS[gated], walk
+                self.amx_rows = AMX_ROWS if gu0.path == "amx" else 0
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [n, k], expert ids [n, k]) of each token."""
@@ -125,7 +138,8 @@ class SparseMoE:
         if self.packed is not None:
             out = torch.empty_like(x)
             torch.ops.batchgen_cpu.moe_experts(out, x.contiguous(), order, counts, *self.packed,
-                                               weights.float().contiguous(), self.act, self.interleaved)
+                                               weights.float().contiguous(), self.act, self.interleaved,
+                                               self.amx_rows)
             return out
         tokens = order // k
         flat_weights = weights.flatten()[order]
