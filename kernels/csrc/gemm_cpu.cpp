@@ -16,10 +16,12 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/from_blob.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -835,6 +837,43 @@ void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at
 // ascending expert order, rounding as the loop did (the down output to the dtype, times the routing
 // weight, rounded, then added slot by slot). slot_pair: each (token, slot)'s pair in expert order.
 
+// moe_experts' buffers (the pairs' gathered rows, the activations, the down outputs), kept between
+// calls, per calling thread, and grown as needed. At a 2,048-token prefill step they come to ~90 MB
+// at Qwen3-30B-A3B's shapes (bf16), which glibc serves with fresh mmaps (over its 32 MiB threshold)
+// that each call faulted in again: ~35,000 minor faults a layer.
+// `bytes`, 64-byte aligned; each array a caller carves out of it starts at a multiple of 64 bytes
+// (Carve).
+char* scratch(size_t bytes) {
+  struct Buffer {
+    void* p = nullptr;
+    size_t bytes = 0;
+    ~Buffer() { std::free(p); }
+  };
+  thread_local Buffer buf;
+  if (buf.bytes < bytes) {
+    std::free(buf.p);
+    buf.bytes = 0;
+    buf.p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    TORCH_CHECK(buf.p, "moe_experts: could not allocate ", bytes, " bytes of scratch memory");
+    buf.bytes = bytes;
+  }
+  return static_cast<char*>(buf.p);
+}
+
+// Arrays laid out one after another, each at a 64-byte boundary: size() bytes in all, then at(base).
+struct Carve {
+  std::vector<size_t> offsets;
+  size_t end = 0;
+  template <class T>
+  size_t add(int64_t count) {
+    offsets.push_back(end);
+    end += (static_cast<size_t>(count) * sizeof(T) + 63) / 64 * 64;
+    return offsets.size() - 1;
+  }
+  template <class T>
+  T* at(char* base, size_t i) const { return reinterpret_cast<T*>(base + offsets[i]); }
+};
+
 // out [n, h] (T: c10::BFloat16 or float): for each token, its k slots' down outputs (y's rows, in
 // expert order: slot_pair) times their routing weights, each product rounded to T, added slot by
 // slot with each partial sum rounded to T, as the loop's torch ops round them. A row at a time
@@ -887,10 +926,14 @@ void moe_walk(at::Tensor& out, const at::Tensor& x, const at::Tensor& order, con
   const int64_t n = x.size(0), h = x.size(1), pairs = order.numel(), k = pairs / n;
   const int64_t* ord = order.data_ptr<int64_t>();
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-  auto xs = x.new_empty({pairs, h}), mid = x.new_empty({pairs, inter}), y = x.new_empty({pairs, h});
-  T* xsp = reinterpret_cast<T*>(xs.data_ptr());
-  T* midp = reinterpret_cast<T*>(mid.data_ptr());
-  T* yp = reinterpret_cast<T*>(y.data_ptr());
+  // the gathered rows, then the down outputs over them (the gate/up GEMMs are done with them); the
+  // activations
+  Carve cv;
+  const size_t rows_i = cv.add<T>(pairs * h), mid_i = cv.add<T>(pairs * inter);
+  char* base = scratch(cv.end);
+  T* xsp = cv.at<T>(base, rows_i);
+  T* midp = cv.at<T>(base, mid_i);
+  T* yp = xsp;
   at::parallel_for(0, pairs, 16, [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p) std::memcpy(xsp + p * h, xp + ord[p] / k * h, h * sizeof(T));
   });
@@ -966,9 +1009,16 @@ void moe_fma(at::Tensor& out, const at::Tensor& x, const at::Tensor& order, cons
   const T* xp = x.data_ptr<T>();
   // fp32 rows, +16 floats a row as gemm_bf16_fma widens them (rows 4 KiB apart would share L1 sets)
   const int64_t ldx = h + 16, ldm = BF16 ? inter + 16 : inter;
-  std::vector<float> xs(pairs * ldx), midf(BF16 ? pairs * ldm : 0);
+  // scratch (moe_walk's): the pairs' fp32 rows, then the down outputs over them; the gate/up output,
+  // the activations, and (bf16) the activations in fp32
+  Carve cv;
+  const size_t xs_i = cv.add<float>(pairs * ldx), gu_i = cv.add<T>(pairs * 2 * inter), mid_i = cv.add<T>(pairs * inter),
+               midf_i = cv.add<float>(BF16 ? pairs * ldm : 0);
+  char* base = scratch(cv.end);
+  float* xs = cv.at<float>(base, xs_i);
+  float* midf = cv.at<float>(base, midf_i);
   at::parallel_for(0, pairs, 16, [&](int64_t b, int64_t e) {
-    for (int64_t p = b; p < e; ++p) batchgen_cpu::row_to_f32(xp + ord[p] / k * h, xs.data() + p * ldx, h);
+    for (int64_t p = b; p < e; ++p) batchgen_cpu::row_to_f32(xp + ord[p] / k * h, xs + p * ldx, h);
   });
   std::vector<FmaGroup> up_groups, down_groups;
   for (int64_t ex = 0, r = 0; ex < static_cast<int64_t>(counts.size()); r += counts[ex++]) {
@@ -976,20 +1026,22 @@ void moe_fma(at::Tensor& out, const at::Tensor& x, const at::Tensor& order, cons
     up_groups.push_back({r, counts[ex], gate_up[ex].data_ptr()});
     down_groups.push_back({r, counts[ex], down[ex].data_ptr()});
   }
-  auto gu = x.new_empty({pairs, 2 * inter}), mid = x.new_empty({pairs, inter}), y = x.new_empty({pairs, h});
+  at::Tensor gu = at::from_blob(cv.at<T>(base, gu_i), {pairs, 2 * inter}, x.options());
+  at::Tensor mid = at::from_blob(cv.at<T>(base, mid_i), {pairs, inter}, x.options());
+  at::Tensor y = at::from_blob(cv.at<T>(base, xs_i), {pairs, h}, x.options());
   const auto c32 = [](at::Tensor& t) { return BF16 ? nullptr : reinterpret_cast<float*>(t.data_ptr()); };
   const auto c16 = [](at::Tensor& t) { return BF16 ? reinterpret_cast<uint16_t*>(t.data_ptr()) : nullptr; };
-  fma_groups<BF16>(up_groups, xs.data(), ldx, 2 * inter, h, c32(gu), c16(gu), 2 * inter);
+  fma_groups<BF16>(up_groups, xs, ldx, 2 * inter, h, c32(gu), c16(gu), 2 * inter);
   static const auto silu = c10::Dispatcher::singleton().findSchemaOrThrow("batchgen_cpu::silu_mul", "")
                                .typed<void(at::Tensor, at::Tensor)>();
   static const auto gelu = c10::Dispatcher::singleton().findSchemaOrThrow("batchgen_cpu::gelu_tanh_mul", "")
                                .typed<void(at::Tensor, at::Tensor)>();
   (act == 1 ? silu : gelu).call(mid, gu);
-  const float* a = BF16 ? midf.data() : reinterpret_cast<const float*>(mid.data_ptr());
+  const float* a = BF16 ? midf : reinterpret_cast<const float*>(mid.data_ptr());
   if constexpr (BF16) {
     const T* mp = mid.data_ptr<T>();
     at::parallel_for(0, pairs, 16, [&](int64_t b, int64_t e) {
-      for (int64_t p = b; p < e; ++p) batchgen_cpu::row_to_f32(mp + p * inter, midf.data() + p * ldm, inter);
+      for (int64_t p = b; p < e; ++p) batchgen_cpu::row_to_f32(mp + p * inter, midf + p * ldm, inter);
     });
   }
   fma_groups<BF16>(down_groups, a, ldm, h, inter, c32(y), c16(y), h);
