@@ -604,8 +604,9 @@ def test_moe_experts_op_refuses_bad_amx_rows():
 
 
 @needs_amx
-# a decode step (every expert on the walk), a step split between both (32, 41 and 35 pairs on the
-# tiles: amx_rows itself and ragged 16-row tiles; 21-30 on the walk), every expert on the tiles
+# a decode step (every expert on the walk), a step split between both (routed on a Zen 4: 32, 41
+# and 35 pairs on the tiles, amx_rows itself and ragged 16-row tiles; 21-30 on the walk), every
+# expert on the tiles (91-106 pairs)
 @pytest.mark.parametrize("tokens,split", [(3, "walk"), (120, "mixed"), (400, "amx")])
 def test_moe_experts_on_amx_tiles_equal_the_expert_loop(tokens, split):
     """On AMX the op runs the experts of at least amx_rows pairs on the AMX tiles and the rest on the

@@ -10,10 +10,10 @@ gate/up GEMM and one down GEMM over its tokens; the weighted outputs are added b
 ascending expert order, as transformers adds them. Where the experts are on our packed GEMMs
 (dpbf16; fma: the AVX2 kernels, or fp32 on the AVX-512 walk) that is one C++ op a layer
 (`moe_experts`, kernels/csrc/gemm_cpu.cpp: each of its GEMMs over all experts in one parallel
-region, split by cost). Experts on amx (AMX CPUs) take the same op: those with AMX_ROWS pairs or more
-on the AMX tiles, the rest on the dpbf16 walk. Elsewhere (oneDNN) a Python loop over the experts. On CUDA the
-experts run as two grouped GEMMs over the tokens sorted by expert (batchgen.kernels.fused_moe, a
-Triton kernel).
+region, split by cost). Experts on amx (AMX CPUs) take the same op: those with AMX_ROWS pairs or
+more on the AMX tiles, the rest on the dpbf16 walk. Elsewhere (oneDNN) a Python loop over the
+experts. On CUDA the experts run as two grouped GEMMs over the tokens sorted by expert
+(batchgen.kernels.fused_moe, a Triton kernel).
 """
 from __future__ import annotations
 
@@ -93,8 +93,8 @@ class SparseMoE:
         # Experts on a GEMM moe_experts runs take the op: the AVX-512 walks (dpbf16, fp32 on fma with
         # AVX-512), their activation in the gate/up epilogue, or the AVX2 kernels (fma), with it
         # applied between; the op's weight lists, activation and gate/up layout.
-        # On AMX (amx experts: dpbf16's packed layout) the experts with AMX_ROWS pairs or more run on the
-        # AMX tiles inside the op, and the rest on the dpbf16 walk (amx_rows).
+        # On AMX (amx experts: dpbf16's packed layout) the experts with AMX_ROWS pairs or more run on
+        # the AMX tiles inside the op, and the rest on the dpbf16 walk (amx_rows).
         gu0, d0 = self.experts[0] if self.experts else (None, None)
         self.packed = None
         self.amx_rows = 0
