@@ -509,6 +509,21 @@ def _sparse_moe(dtype, experts, top_k, hidden, inter, seed=0, fp32_weights=False
     return moe, gate_up, down
 
 
+def _moe_tokens(tokens, hidden, seed, dtype=torch.bfloat16):
+    return torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _moe_float64(x, weights, ids, gate_up, down):
+    """The MoE block in float64: each token's routing-weighted SiLU-gated expert MLPs, summed."""
+    inter = down[0].shape[1]
+    ref = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].double(), ids[t].tolist()):
+            gu = x[t].double() @ gate_up[e].double().t()
+            ref[t] += w * (torch.nn.functional.silu(gu[:inter]) * gu[inter:]) @ down[e].double().t()
+    return ref
+
+
 @pytest.mark.parametrize("dtype,path", MOE_CASES)
 # experts, top-k, hidden, expert intermediate, tokens: a decode step over many experts (most with
 # one or no token), a ragged hidden (72: a last block of 8 columns), hidden over one L2 chunk (the
@@ -526,18 +541,13 @@ def test_moe_experts_op_equals_the_expert_loop(dtype, path, experts, top_k, hidd
                                      fp32_weights=fp32_weights, path=path)
     walk = path == "dpbf16" or linear.avx512_f32_available() and dtype == torch.float32
     assert moe.packed is not None and moe.act == 1 and moe.interleaved == walk
-    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    x = _moe_tokens(tokens, hidden, tokens, dtype)
     got = moe(x, ops.silu_mul)
     packed, moe.packed = moe.packed, None
     want = moe(x, ops.silu_mul)
     moe.packed = packed
     assert got.dtype == dtype and torch.equal(got, want)
-    weights, ids = moe.route(x)
-    ref = torch.zeros(tokens, hidden, dtype=torch.float64)
-    for t in range(tokens):
-        for w, e in zip(weights[t].double(), ids[t].tolist()):
-            gu = x[t].double() @ gate_up[e].double().t()
-            ref[t] += w * (torch.nn.functional.silu(gu[:inter]) * gu[inter:]) @ down[e].double().t()
+    ref = _moe_float64(x, *moe.route(x), gate_up, down)
     tol = 0.05 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
@@ -562,10 +572,6 @@ def test_moe_experts_op_refuses_bad_arguments(dtype, path):
     with pytest.raises(RuntimeError, match="act is 1"):
         op(out, x, order, [2, 2, 1, 1], gu, d, weights, 0, moe.interleaved)
     assert moe(x[:0], lambda t: t).shape == (0, 64)  # a step with no tokens for this layer
-
-
-def _moe_tokens(tokens, hidden, seed, dtype=torch.bfloat16):
-    return torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 @needs_op
@@ -628,9 +634,5 @@ def test_moe_experts_on_amx_tiles_equal_the_expert_loop(tokens, split):
     if split == "amx":  # the loop on amx alone
         amx.packed = None
         assert torch.equal(got, amx(x, ops.silu_mul))
-    ref = torch.zeros(tokens, 256, dtype=torch.float64)
-    for t in range(tokens):
-        for w, e in zip(weights[t].double(), ids[t].tolist()):
-            gu = x[t].double() @ gate_up[e].double().t()
-            ref[t] += w * (torch.nn.functional.silu(gu[:96]) * gu[96:]) @ down[e].double().t()
+    ref = _moe_float64(x, weights, ids, gate_up, down)
     torch.testing.assert_close(got.double(), ref, rtol=0.05, atol=0.05 * ref.abs().max().item())

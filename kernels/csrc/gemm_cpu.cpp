@@ -468,6 +468,16 @@ bool half_width_avx512() {
   }();
   return half;
 }
+
+// f(trait) with the bf16 walk's trait for this CPU (Bf16 or Bf16L1, above): gemm_bf16's and
+// moe_experts' one choice.
+template <class F>
+void with_bf16_walk(F&& f) {
+  if (half_width_avx512())
+    f(Bf16{});
+  else
+    f(Bf16L1{});
+}
 #endif  // BATCHGEN_DPBF16
 
 #ifdef BATCHGEN_FMA
@@ -818,10 +828,9 @@ void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at
   const auto* a = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* w = static_cast<const char*>(packed.data_ptr());
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  if (half_width_avx512())
-    walk<Bf16>(c, a, m, x.stride(0), w, packed.size(0), x.size(1), n, b, static_cast<int>(act));
-  else
-    walk<Bf16L1>(c, a, m, x.stride(0), w, packed.size(0), x.size(1), n, b, static_cast<int>(act));
+  with_bf16_walk([&](auto s) {
+    walk<decltype(s)>(c, a, m, x.stride(0), w, packed.size(0), x.size(1), n, b, static_cast<int>(act));
+  });
 #else
   TORCH_CHECK(false, "gemm_bf16: this build has no AVX512-BF16 (check has_dpbf16_gemm first)");
 #endif
@@ -1129,12 +1138,10 @@ void moe_experts(at::Tensor out, at::Tensor x, at::Tensor order, std::vector<int
   }
   if (bf16) {
 #ifdef BATCHGEN_DPBF16
-    if (half_width_avx512())
-      moe_walk<Bf16>(out, x, order, counts, gate_up, down, weights, slot_pair, act, inter, gu_nblk, d_nblk,
-                     amx_rows);
-    else
-      moe_walk<Bf16L1>(out, x, order, counts, gate_up, down, weights, slot_pair, act, inter, gu_nblk, d_nblk,
-                       amx_rows);
+    with_bf16_walk([&](auto s) {
+      moe_walk<decltype(s)>(out, x, order, counts, gate_up, down, weights, slot_pair, act, inter, gu_nblk, d_nblk,
+                            amx_rows);
+    });
 #else
     TORCH_CHECK(false, "moe_experts: this build has no AVX512-BF16 (check has_dpbf16_gemm first)");
 #endif
