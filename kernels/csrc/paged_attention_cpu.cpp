@@ -446,8 +446,8 @@ inline void scores_tile(float* sc, int64_t len, const float* q, const KT* kbase,
 // a line of each row at a time, spread over the head's slices: one slice issuing all of a head's
 // lines (64 at head_dim 64, fp32) left the V loads waiting on DRAM, and spread the op ran 1.14-1.23x
 // faster on Zen 3 (examples/ab_attention_source.py, SmolLM2's 9,3,64 shape, fp32, one and two
-// threads; 1.07-1.37x at 12,2,128, 16,2,128 and 4,1,256 in both dtypes; level at 14,2,64 bf16).
-// Two blocks ahead ran slower than one. acc_mem: [kvh * G, D].
+// threads; at 12,2,128, 16,2,128 and 4,1,256: 1.07-1.29x in fp32, 1.02-1.37x in bf16; level at
+// 14,2,64 bf16). Two blocks ahead ran slower than one. acc_mem: [kvh * G, D].
 template <int G, int ND, int DC, typename KT>
 void weighted_v_sum(float* o, const float* scores, const KT* vc, const float* vs, const int64_t* table, int64_t lo,
                     int64_t hi, int64_t kvh, int64_t bs, float* acc_mem, const KT* next_k) {
