@@ -114,12 +114,19 @@ void decode_impl(float* out, float* lse, const float* q, int64_t q_stride, const
 }
 
 #if defined(__AVX512F__) || defined(__AVX2__)
-// One head's slice of a K or V row (D values), into L2, for a later iteration.
-template <int D, typename KT>
-inline void prefetch_row(const KT* p) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int off = 0; off < static_cast<int>(sizeof(KT)) * D; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
+// The 64-byte lines [l0, l1) from p, into L2, for a later iteration.
+inline void prefetch_lines(const void* p, int l0, int l1) {
+  const char* c = static_cast<const char*>(p);
+  for (int l = l0; l < l1; ++l) _mm_prefetch(c + l * 64, _MM_HINT_T1);
 }
+
+// The lines of one head's slice of a K or V row (D values).
+template <int D, typename KT>
+constexpr int row_lines() { return (static_cast<int>(sizeof(KT)) * D + 63) / 64; }
+
+// One head's slice of a K or V row, into L2, for a later iteration.
+template <int D, typename KT>
+inline void prefetch_row(const KT* p) { prefetch_lines(p, 0, row_lines<D, KT>()); }
 
 // The slots of an N-row score tile from `first`; a tail tile (n < N) repeats its last row, so
 // every row load stays inside the block (only the n valid sums are stored).
@@ -468,13 +475,12 @@ void weighted_v_sum(float* o, const float* scores, const KT* vc, const float* vs
 #pragma GCC unroll 4
           for (int j = 0; j < DC; ++j) acc[g][j] = _mm256_loadu_ps(am + g * D + (c + j) * 8);
         // this slice's share of the next block's lines: lines [l0, l1) of each row
-        constexpr int kLines = (static_cast<int>(sizeof(KT)) * D + 63) / 64, kSlices = N8 / DC;
+        constexpr int kLines = row_lines<D, KT>(), kSlices = N8 / DC;
         const int l0 = (c / DC) * kLines / kSlices, l1 = (c / DC + 1) * kLines / kSlices;
         for (int64_t i = 0; i < cnt; ++i) {
           const int64_t slot = slot0 + i;
           const KT* vp = vc + slot * row + h * D + c * 8;
-          if (next)
-            for (int l = l0; l < l1; ++l) _mm_prefetch(reinterpret_cast<const char*>(next + i * row) + l * 64, _MM_HINT_T1);
+          if (next) prefetch_lines(next + i * row, l0, l1);
           __m256 vv[DC];
 #pragma GCC unroll 4
           for (int j = 0; j < DC; ++j) vv[j] = load8(vp + j * 8);
