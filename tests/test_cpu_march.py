@@ -121,9 +121,9 @@ def test_the_sources_compile_for_targets_this_cpu_may_not_have(target, sources, 
     from torch.utils.cpp_extension import include_paths
 
     includes = [f"-I{p}" for p in include_paths()]
+    flags = [f for f in cpu_attention.flags(target) if not f.startswith("-O")]
     for name in sources:
         out = tmp_path / name.replace(".cpp", ".s")
-        flags = [f for f in cpu_attention.flags(target) if not f.startswith("-O")]
         r = subprocess.run([COMPILER, *flags, "-O0", "-fPIC", "-w", *includes,
                             "-DTORCH_EXTENSION_NAME=batchgen_cpu_ops", "-S", str(cpu_attention._CSRC / name), "-o", str(out)],
                            capture_output=True, text=True, timeout=900)

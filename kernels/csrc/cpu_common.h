@@ -51,6 +51,13 @@ inline void row_to_f32(const c10::BFloat16* src, float* dst, int64_t n) {
 #endif
   for (; i < n; ++i) dst[i] = to_f(src[i]);
 }
+// A row to read as fp32: an fp32 row as it lies, a bf16 one converted into buf (n floats), so fp32
+// rows skip the copy.
+inline const float* f32_row(const float* p, float*, int64_t) { return p; }
+inline const float* f32_row(const c10::BFloat16* p, float* buf, int64_t n) {
+  row_to_f32(p, buf, n);
+  return buf;
+}
 inline void row_from_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void row_from_f32(const float* src, c10::BFloat16* dst, int64_t n) {
   uint16_t* d = reinterpret_cast<uint16_t*>(dst);

@@ -41,6 +41,8 @@ void add_rms_norm_impl(T* out, T* h, const T* delta, const T* w, int64_t n, int6
     std::vector<float> hf(kF32 ? 0 : d), df(kF32 ? 0 : d);
     for (int64_t r = b; r < e; ++r) {
       T* hr = h + r * h_stride;
+      // not f32_row: through it GCC vectorised the fp32 sum of squares below in another order,
+      // moving some outputs by 1 ulp
       float* hp;
       if constexpr (kF32) hp = hr;
       else {
@@ -177,18 +179,11 @@ void gated_mul_impl(T* out, const T* gu, int64_t n, int64_t inter, int64_t gu_st
     FlushDenormals ftz;
     std::vector<float> g(kF32 ? 0 : inter), u(kF32 ? 0 : inter);
     for (int64_t r = b; r < e; ++r) {
-      const float *gp, *up;
-      float* op;
-      if constexpr (kF32) {
-        gp = gu + r * gu_stride;
-        up = gp + inter;
-        op = out + r * inter;
-      } else {
-        row_to_f32(gu + r * gu_stride, g.data(), inter);
-        row_to_f32(gu + r * gu_stride + inter, u.data(), inter);
-        gp = op = g.data();
-        up = u.data();
-      }
+      const float* gp = f32_row(gu + r * gu_stride, g.data(), inter);
+      const float* up = f32_row(gu + r * gu_stride + inter, u.data(), inter);
+      float* op;  // fp32: the output row itself; bf16: g, rounded into the output after
+      if constexpr (kF32) op = out + r * inter;
+      else op = g.data();
       int64_t i = 0;
 #ifdef __AVX512F__
       for (; i + 16 <= inter; i += 16)
@@ -219,15 +214,14 @@ template <typename T>
 void argmax_rows_impl(int64_t* out, const T* x, int64_t n, int64_t v, int64_t stride) {
   at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
     FlushDenormals ftz;
-    std::vector<float> buf(4096);
+    std::vector<float> buf(std::is_same_v<T, float> ? 0 : 4096);  // fp32 rows are read where they lie
     for (int64_t r = b; r < e; ++r) {
       float best = -INFINITY;
       int64_t arg = 0;
       for (int64_t c0 = 0; c0 < v; c0 += 4096) {
         const int64_t m = std::min<int64_t>(4096, v - c0);
-        row_to_f32(x + r * stride + c0, buf.data(), m);
+        const float* bp = f32_row(x + r * stride + c0, buf.data(), m);
         float cmax = -INFINITY;
-        const float* bp = buf.data();
 #pragma omp simd reduction(max : cmax)
         for (int64_t i = 0; i < m; ++i) cmax = bp[i] > cmax ? bp[i] : cmax;
         if (cmax > best) {
