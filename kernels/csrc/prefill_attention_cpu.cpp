@@ -195,53 +195,62 @@ inline void transpose8(__m256 r[8]) {
   }
 }
 
-// S[r][c0 .. c0 + 16) for rows r0 .. r0 + 4: Q [rows][d] (pre-scaled), Kt [d][KC].
-inline void scores_4x16(const float* Q, const float* Kt, float* S, int64_t d, int64_t r0, int64_t c0) {
-  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+// S[r][c0 .. c0 + 16) for rows r0 .. r0 + R: Q [rows][d] (pre-scaled), Kt [d][KC]. Six rows
+// (12 accumulators, K's two vectors and a broadcast: 15 of the 16 registers) give 12 FMAs per
+// step of k for 2 K loads and 6 broadcasts; the 4-row tile it replaced gave 8 for the same K
+// loads, and GCC folded those into the FMAs (a memory operand each: 8 loads a step).
+template <int R>
+inline void scores_rx16(const float* Q, const float* Kt, float* S, int64_t d, int64_t r0, int64_t c0) {
+  __m256 a[R][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
   const float* q = Q + r0 * d;
   const float* kt = Kt + c0;
   for (int64_t k = 0; k < d; ++k, kt += KC) {
-    const __m256 k0 = _mm256_loadu_ps(kt), k1 = _mm256_loadu_ps(kt + 8);
-    __m256 qb = _mm256_set1_ps(q[k]);
-    a00 = _mm256_fmadd_ps(qb, k0, a00); a01 = _mm256_fmadd_ps(qb, k1, a01);
-    qb = _mm256_set1_ps(q[d + k]);
-    a10 = _mm256_fmadd_ps(qb, k0, a10); a11 = _mm256_fmadd_ps(qb, k1, a11);
-    qb = _mm256_set1_ps(q[2 * d + k]);
-    a20 = _mm256_fmadd_ps(qb, k0, a20); a21 = _mm256_fmadd_ps(qb, k1, a21);
-    qb = _mm256_set1_ps(q[3 * d + k]);
-    a30 = _mm256_fmadd_ps(qb, k0, a30); a31 = _mm256_fmadd_ps(qb, k1, a31);
+    __m256 k0 = _mm256_loadu_ps(kt), k1 = _mm256_loadu_ps(kt + 8);
+    asm("" : "+x"(k0), "+x"(k1));  // K in registers, not a memory operand per FMA
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 qb = _mm256_broadcast_ss(q + r * d + k);
+      a[r][0] = _mm256_fmadd_ps(qb, k0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(qb, k1, a[r][1]);
+    }
   }
-  float* o = S + r0 * KC + c0;
-  _mm256_storeu_ps(o, a00); _mm256_storeu_ps(o + 8, a01);
-  _mm256_storeu_ps(o + KC, a10); _mm256_storeu_ps(o + KC + 8, a11);
-  _mm256_storeu_ps(o + 2 * KC, a20); _mm256_storeu_ps(o + 2 * KC + 8, a21);
-  _mm256_storeu_ps(o + 3 * KC, a30); _mm256_storeu_ps(o + 3 * KC + 8, a31);
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(S + (r0 + r) * KC + c0, a[r][0]);
+    _mm256_storeu_ps(S + (r0 + r) * KC + c0 + 8, a[r][1]);
+  }
 }
 
-// O[r0 .. r0 + 4][s0 .. s0 + 16) += P[r][0 .. nk) . V[0 .. nk)[same dims]; V [KC][d].
-inline void pv_4x16(const float* P, const float* V, float* O, int64_t d, int64_t nk, int64_t r0, int64_t s0) {
+// O[r0 .. r0 + R][s0 .. s0 + 16) += P[r][0 .. nk) . V[0 .. nk)[same dims]; V [KC][d]. Six rows,
+// as above.
+template <int R>
+inline void pv_rx16(const float* P, const float* V, float* O, int64_t d, int64_t nk, int64_t r0, int64_t s0) {
   float* o = O + r0 * d + s0;
-  __m256 a00 = _mm256_loadu_ps(o), a01 = _mm256_loadu_ps(o + 8), a10 = _mm256_loadu_ps(o + d),
-         a11 = _mm256_loadu_ps(o + d + 8), a20 = _mm256_loadu_ps(o + 2 * d), a21 = _mm256_loadu_ps(o + 2 * d + 8),
-         a30 = _mm256_loadu_ps(o + 3 * d), a31 = _mm256_loadu_ps(o + 3 * d + 8);
+  __m256 a[R][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    a[r][0] = _mm256_loadu_ps(o + r * d);
+    a[r][1] = _mm256_loadu_ps(o + r * d + 8);
+  }
   const float* p0 = P + r0 * KC;
   const float* vp = V + s0;
   for (int64_t j = 0; j < nk; ++j, vp += d) {
     __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8);
     asm("" : "+x"(v0), "+x"(v1));  // keep V in registers, not a memory operand per FMA
-    __m256 p = _mm256_set1_ps(p0[j]);
-    a00 = _mm256_fmadd_ps(p, v0, a00); a01 = _mm256_fmadd_ps(p, v1, a01);
-    p = _mm256_set1_ps(p0[KC + j]);
-    a10 = _mm256_fmadd_ps(p, v0, a10); a11 = _mm256_fmadd_ps(p, v1, a11);
-    p = _mm256_set1_ps(p0[2 * KC + j]);
-    a20 = _mm256_fmadd_ps(p, v0, a20); a21 = _mm256_fmadd_ps(p, v1, a21);
-    p = _mm256_set1_ps(p0[3 * KC + j]);
-    a30 = _mm256_fmadd_ps(p, v0, a30); a31 = _mm256_fmadd_ps(p, v1, a31);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 p = _mm256_broadcast_ss(p0 + r * KC + j);
+      a[r][0] = _mm256_fmadd_ps(p, v0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(p, v1, a[r][1]);
+    }
   }
-  _mm256_storeu_ps(o, a00); _mm256_storeu_ps(o + 8, a01);
-  _mm256_storeu_ps(o + d, a10); _mm256_storeu_ps(o + d + 8, a11);
-  _mm256_storeu_ps(o + 2 * d, a20); _mm256_storeu_ps(o + 2 * d + 8, a21);
-  _mm256_storeu_ps(o + 3 * d, a30); _mm256_storeu_ps(o + 3 * d + 8, a31);
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(o + r * d, a[r][0]);
+    _mm256_storeu_ps(o + r * d + 8, a[r][1]);
+  }
 }
 #endif
 
@@ -264,7 +273,12 @@ template <typename QT, typename KT>
 void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT* vc, const float* ks, const float* vs,
                   const int64_t* table, int64_t row0, int64_t pos0, int64_t nq, int64_t h, int64_t heads, int64_t kvh,
                   int64_t d, int64_t bs, int64_t window, float scale, float softcap, Buffers& b) {
-  const int64_t G = heads / kvh, M = nq * G, Mp = (M + 7) / 8 * 8;
+#ifdef __AVX512F__
+  constexpr int64_t kRowPad = 8, kKeyPad = 32;  // scores_8x32
+#else
+  constexpr int64_t kRowPad = 2, kKeyPad = 16;  // the 6-, 4- and 2-row tiles of 16 keys
+#endif
+  const int64_t G = heads / kvh, M = nq * G, Mp = (M + kRowPad - 1) / kRowPad * kRowPad;
 #ifdef __AVX512BF16__
   // bf16 q and cache: scores from the bf16 values as they are (the FMA path converts them to fp32
   // first, exactly; the products and sums are fp32 either way).
@@ -294,7 +308,7 @@ void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT
   const int64_t klo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0, khi = pos0 + nq;
   const int64_t row = kvh * d;
   for (int64_t c0 = klo; c0 < khi; c0 += KC) {
-    const int64_t nk = std::min(KC, khi - c0), nkp = (nk + 31) / 32 * 32;
+    const int64_t nk = std::min(KC, khi - c0), nkp = (nk + kKeyPad - 1) / kKeyPad * kKeyPad;
     walk_blocks(table, c0, c0 + nk, bs, [&](int64_t slot0, int64_t cnt, int64_t at, int64_t) {
       for (int64_t i = 0; i < cnt; ++i) b.slots[at + i] = slot0 + i;
     });
@@ -372,8 +386,12 @@ void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT
       for (int64_t dv = 0; dv < d / 8; ++dv)
         _mm256_storeu_ps(b.v.data() + j * d + dv * 8, _mm256_mul_ps(load8(vc + slot * row + h * d + dv * 8), sc));
     }
-    for (int64_t r0 = 0; r0 < Mp; r0 += 4)
-      for (int64_t cc = 0; cc < nkp; cc += 16) scores_4x16(b.q.data(), b.kt.data(), b.s.data(), d, r0, cc);
+    for (int64_t r0 = 0; r0 < Mp; r0 += 6)
+      for (int64_t cc = 0; cc < nkp; cc += 16) {
+        if (r0 + 6 <= Mp) scores_rx16<6>(b.q.data(), b.kt.data(), b.s.data(), d, r0, cc);
+        else if (r0 + 4 == Mp) scores_rx16<4>(b.q.data(), b.kt.data(), b.s.data(), d, r0, cc);
+        else scores_rx16<2>(b.q.data(), b.kt.data(), b.s.data(), d, r0, cc);
+      }
 #endif
     // Online softmax over each row's visible keys of the chunk; the rest get probability 0.
     for (int64_t r = 0; r < Mp; ++r) {
@@ -407,8 +425,8 @@ void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT
       if (b.alpha[r] != 1.f)
         for (int64_t k = 0; k < d; ++k) b.o[r * d + k] *= b.alpha[r];
     }
-    for (int64_t r0 = 0; r0 < Mp; r0 += 4) {
 #ifdef __AVX512F__
+    for (int64_t r0 = 0; r0 < Mp; r0 += 4) {
       int64_t s0 = 0;
       for (; s0 + 64 <= d; s0 += 64) pv_4rows<4>(b.s.data(), b.v.data(), b.o.data(), d, nk, r0, s0);
       switch ((d - s0) / 16) {
@@ -417,10 +435,15 @@ void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT
         case 3: pv_4rows<3>(b.s.data(), b.v.data(), b.o.data(), d, nk, r0, s0); break;
         default: break;
       }
-#else
-      for (int64_t s0 = 0; s0 < d; s0 += 16) pv_4x16(b.s.data(), b.v.data(), b.o.data(), d, nk, r0, s0);
-#endif
     }
+#else
+    for (int64_t r0 = 0; r0 < Mp; r0 += 6)
+      for (int64_t s0 = 0; s0 < d; s0 += 16) {
+        if (r0 + 6 <= Mp) pv_rx16<6>(b.s.data(), b.v.data(), b.o.data(), d, nk, r0, s0);
+        else if (r0 + 4 == Mp) pv_rx16<4>(b.s.data(), b.v.data(), b.o.data(), d, nk, r0, s0);
+        else pv_rx16<2>(b.s.data(), b.v.data(), b.o.data(), d, nk, r0, s0);
+      }
+#endif
   }
   for (int64_t r = 0; r < M; ++r) {
     const int64_t i = r / G, g = r % G;
