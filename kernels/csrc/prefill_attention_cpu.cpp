@@ -8,7 +8,7 @@
 // keys in chunks of KC, with an online softmax. Each chunk's K is converted to fp32 and
 // transposed once (16 x 16 in registers), so the score micro-kernel is plain broadcast-FMAs over
 // 8 rows x 32 keys, and P.V runs 4 rows x 64 dims at a time (AVX-512; on AVX2 8 x 8 transposes,
-// 4 rows x 16 keys and 4 rows x 16 dims).
+// 6 rows x 16 keys and 6 rows x 16 dims).
 //
 // Sequence p's queries are rows [cu[p], cu[p+1]) of q, at positions start[p], start[p] + 1, ...
 // A query at position t sees keys [t - window + 1, t] (window > 0) or [0, t].
@@ -173,8 +173,8 @@ inline void pv_4rows<4>(const float* P, const float* V, float* O, int64_t d, int
 
 #elif defined(__AVX2__)
 // AVX2 (+FMA) micro-kernels for CPUs without AVX-512 (AMD Zen 2/3, Intel client parts): 8-lane
-// vectors and 16 registers, so 8 x 8 transposes, 4 rows x 16 keys of scores and 4 rows x 16 dims
-// of P.V at a time (8 accumulators each).
+// vectors and 16 registers, so 8 x 8 transposes, 6 rows x 16 keys of scores and 6 rows x 16 dims
+// of P.V at a time (12 accumulators each; 4- and 2-row tiles for the last rows).
 
 // r[i] = row i of an 8 x 8 tile, in place to column i.
 inline void transpose8(__m256 r[8]) {
