@@ -146,20 +146,27 @@ def test_ab_gemm_source_picks_the_avx2_kernels_where_the_build_has_no_avx512():
 
 
 def test_ab_attention_source_renames_the_attention_library_and_reads_its_cases():
-    """examples/ab_attention_source.py builds paged_attention_cpu.cpp under its own op library per
-    build (TORCH_LIBRARY, not the GEMMs' FRAGMENT) and reads its cases as NxL or mixed."""
+    """examples/ab_attention_source.py builds paged_attention_cpu.cpp (decode, TORCH_LIBRARY) or
+    prefill_attention_cpu.cpp (--op prefill, a FRAGMENT) under its own op library per build, and
+    reads its cases as NxL or mixed (decode: 256 contexts of 50-1,199 tokens; prefill: 64 prompts
+    of 16-512)."""
     import ab_attention_source as aa
     import ab_gemm_source
     import pytest
     import torch
 
-    src = (Path(__file__).resolve().parents[1] / "kernels" / "csrc" / aa.SOURCE).read_text()
-    out = ab_gemm_source.renamed(src, "ab_x", aa.SOURCE, aa.MARKER)
-    assert "TORCH_LIBRARY(ab_x, m)" in out and "TORCH_LIBRARY(batchgen_cpu" not in out
+    for op, lib in (("decode", "TORCH_LIBRARY"), ("prefill", "TORCH_LIBRARY_FRAGMENT")):
+        source, marker = aa.SOURCES[op]
+        src = (Path(__file__).resolve().parents[1] / "kernels" / "csrc" / source).read_text()
+        out = ab_gemm_source.renamed(src, "ab_x", source, marker)
+        assert f"{lib}(ab_x, m)" in out and f"{lib}(batchgen_cpu" not in out
+        assert f"paged_{op}(" in out
     g = torch.Generator().manual_seed(0)
     assert aa.lengths("3x7", g) == [7, 7, 7]
     mixed = aa.lengths("mixed", g)
     assert len(mixed) == 256 and 50 <= min(mixed) and max(mixed) < 1200
+    prompts = aa.lengths("mixed", g, "prefill")
+    assert len(prompts) == 64 and 16 <= min(prompts) and max(prompts) <= 512
     with pytest.raises(SystemExit, match="neither NxL"):
         aa.lengths("big", g)
 
