@@ -195,62 +195,46 @@ inline void transpose8(__m256 r[8]) {
   }
 }
 
-// S[r][c0 .. c0 + 16) for rows r0 .. r0 + R: Q [rows][d] (pre-scaled), Kt [d][KC]. Six rows
-// (12 accumulators, K's two vectors and a broadcast: 15 of the 16 registers) give 12 FMAs per
-// step of k for 2 K loads and 6 broadcasts; the 4-row tile it replaced gave 8 for the same K
-// loads, and GCC folded those into the FMAs (a memory operand each: 8 loads a step).
-template <int R>
-inline void scores_rx16(const float* Q, const float* Kt, float* S, int64_t d, int64_t r0, int64_t c0) {
+// C[r][0 .. 16) = (Accumulate ? C[r][0 .. 16) : 0) + sum over k < nk of A[r][k] * B[k][0 .. 16), for
+// rows r < R: A's rows lda apart, B's ldb, C's ldc. The scores are Q (pre-scaled) times Kt [d][KC]
+// over 16 keys, P.V is P times V [KC][d] over 16 dims. Six rows (12 accumulators, B's two vectors
+// and a broadcast: 15 of the 16 registers) give 12 FMAs per step of k for 2 B loads and 6
+// broadcasts; the 4-row tiles they replaced gave 8, and GCC had folded K's loads into the FMAs (a
+// memory operand each: 8 loads a step).
+template <int R, bool Accumulate>
+inline void tile_rx16(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t nk, float* C, int64_t ldc) {
   __m256 a[R][2];
 #pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
-  const float* q = Q + r0 * d;
-  const float* kt = Kt + c0;
-  for (int64_t k = 0; k < d; ++k, kt += KC) {
-    __m256 k0 = _mm256_loadu_ps(kt), k1 = _mm256_loadu_ps(kt + 8);
-    asm("" : "+x"(k0), "+x"(k1));  // K in registers, not a memory operand per FMA
+  for (int r = 0; r < R; ++r) {
+    a[r][0] = Accumulate ? _mm256_loadu_ps(C + r * ldc) : _mm256_setzero_ps();
+    a[r][1] = Accumulate ? _mm256_loadu_ps(C + r * ldc + 8) : _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < nk; ++k, B += ldb) {
+    __m256 b0 = _mm256_loadu_ps(B), b1 = _mm256_loadu_ps(B + 8);
+    asm("" : "+x"(b0), "+x"(b1));  // B in registers, not a memory operand per FMA
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const __m256 qb = _mm256_broadcast_ss(q + r * d + k);
-      a[r][0] = _mm256_fmadd_ps(qb, k0, a[r][0]);
-      a[r][1] = _mm256_fmadd_ps(qb, k1, a[r][1]);
+      const __m256 x = _mm256_broadcast_ss(A + r * lda + k);
+      a[r][0] = _mm256_fmadd_ps(x, b0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(x, b1, a[r][1]);
     }
   }
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(S + (r0 + r) * KC + c0, a[r][0]);
-    _mm256_storeu_ps(S + (r0 + r) * KC + c0 + 8, a[r][1]);
+    _mm256_storeu_ps(C + r * ldc, a[r][0]);
+    _mm256_storeu_ps(C + r * ldc + 8, a[r][1]);
   }
 }
 
-// O[r0 .. r0 + R][s0 .. s0 + 16) += P[r][0 .. nk) . V[0 .. nk)[same dims]; V [KC][d]. Six rows,
-// as above.
-template <int R>
-inline void pv_rx16(const float* P, const float* V, float* O, int64_t d, int64_t nk, int64_t r0, int64_t s0) {
-  float* o = O + r0 * d + s0;
-  __m256 a[R][2];
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-    a[r][0] = _mm256_loadu_ps(o + r * d);
-    a[r][1] = _mm256_loadu_ps(o + r * d + 8);
-  }
-  const float* p0 = P + r0 * KC;
-  const float* vp = V + s0;
-  for (int64_t j = 0; j < nk; ++j, vp += d) {
-    __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8);
-    asm("" : "+x"(v0), "+x"(v1));  // keep V in registers, not a memory operand per FMA
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      const __m256 p = _mm256_broadcast_ss(p0 + r * KC + j);
-      a[r][0] = _mm256_fmadd_ps(p, v0, a[r][0]);
-      a[r][1] = _mm256_fmadd_ps(p, v1, a[r][1]);
-    }
-  }
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(o + r * d, a[r][0]);
-    _mm256_storeu_ps(o + r * d + 8, a[r][1]);
-  }
+// The tile of rows [r0, r0 + 6) of C (+)= A . B, or of the last 4 or 2 rows (rows is even).
+template <bool Accumulate>
+inline void tile_at(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t nk, float* C, int64_t ldc,
+                    int64_t r0, int64_t rows) {
+  A += r0 * lda;
+  C += r0 * ldc;
+  if (r0 + 6 <= rows) tile_rx16<6, Accumulate>(A, lda, B, ldb, nk, C, ldc);
+  else if (r0 + 4 == rows) tile_rx16<4, Accumulate>(A, lda, B, ldb, nk, C, ldc);
+  else tile_rx16<2, Accumulate>(A, lda, B, ldb, nk, C, ldc);
 }
 #endif
 
@@ -387,11 +371,8 @@ void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT
         _mm256_storeu_ps(b.v.data() + j * d + dv * 8, _mm256_mul_ps(load8(vc + slot * row + h * d + dv * 8), sc));
     }
     for (int64_t r0 = 0; r0 < Mp; r0 += 6)
-      for (int64_t cc = 0; cc < nkp; cc += 16) {
-        if (r0 + 6 <= Mp) scores_rx16<6>(b.q.data(), b.kt.data(), b.s.data(), d, r0, cc);
-        else if (r0 + 4 == Mp) scores_rx16<4>(b.q.data(), b.kt.data(), b.s.data(), d, r0, cc);
-        else scores_rx16<2>(b.q.data(), b.kt.data(), b.s.data(), d, r0, cc);
-      }
+      for (int64_t cc = 0; cc < nkp; cc += 16)
+        tile_at<false>(b.q.data(), d, b.kt.data() + cc, KC, d, b.s.data() + cc, KC, r0, Mp);
 #endif
     // Online softmax over each row's visible keys of the chunk; the rest get probability 0.
     for (int64_t r = 0; r < Mp; ++r) {
@@ -438,11 +419,8 @@ void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT
     }
 #else
     for (int64_t r0 = 0; r0 < Mp; r0 += 6)
-      for (int64_t s0 = 0; s0 < d; s0 += 16) {
-        if (r0 + 6 <= Mp) pv_rx16<6>(b.s.data(), b.v.data(), b.o.data(), d, nk, r0, s0);
-        else if (r0 + 4 == Mp) pv_rx16<4>(b.s.data(), b.v.data(), b.o.data(), d, nk, r0, s0);
-        else pv_rx16<2>(b.s.data(), b.v.data(), b.o.data(), d, nk, r0, s0);
-      }
+      for (int64_t s0 = 0; s0 < d; s0 += 16)
+        tile_at<true>(b.s.data(), KC, b.v.data() + s0, d, nk, b.o.data() + s0, d, r0, Mp);
 #endif
   }
   for (int64_t r = 0; r < M; ++r) {
