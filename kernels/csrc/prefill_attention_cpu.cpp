@@ -438,9 +438,9 @@ void prefill_run(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT*
                  int64_t heads, int64_t kvh, int64_t d, int64_t bs, int64_t window, float scale, float softcap) {
   // Query tokens per tile of sequence p. On AVX2 a tile's K/V chunk is read, transposed and copied
   // once for all its rows, and without GQA (one query head a group) 16 tokens are only 16 rows:
-  // there tiles of 48 ran 1.30-1.58x at 32 x 32 x 96 over prompts of 16-1,000 tokens, but
-  // 0.95-0.98x over 64-token ones, which then compute more of the masked triangle. (Two heads a
-  // group at 32 tokens ran level.)
+  // there tiles of 48 for chunks of 128+ tokens ran 1.16-1.53x at 32 x 32 x 96 (16 x 256 to
+  // 2 x 1,000 tokens), while 48 for 64-token prompts ran 0.95-0.98x: more of the masked triangle
+  // is computed. (Two heads a group at 32 tokens ran level.)
 #ifdef __AVX512F__
   constexpr int64_t kLongTiles = 1;
 #else
