@@ -240,7 +240,7 @@ inline void tile_at(const float* A, int64_t lda, const float* B, int64_t ldb, in
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 struct Item {
-  int64_t seq, t0, head, cost;
+  int64_t seq, t0, nq, head, cost;  // query tokens [t0, t0 + nq) of sequence seq
 };
 
 struct Buffers {
@@ -446,16 +446,15 @@ void prefill_run(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT*
 #else
   constexpr int64_t kLongTiles = 3;
 #endif
-  const bool mha = heads == kvh;
-  const auto tile_tokens = [&](int64_t p) { return mha && cu[p + 1] - cu[p] >= 128 ? kLongTiles * TQ : TQ; };
+  const int64_t long_tq = heads == kvh ? kLongTiles * TQ : TQ;  // also the buffers' tile height
   std::vector<Item> items;
   int64_t total = 0;
   for (int64_t p = 0; p < nseq; ++p)
-    for (int64_t t0 = 0, tq = tile_tokens(p); t0 < cu[p + 1] - cu[p]; t0 += tq) {
+    for (int64_t t0 = 0, tq = cu[p + 1] - cu[p] >= 128 ? long_tq : TQ; t0 < cu[p + 1] - cu[p]; t0 += tq) {
       const int64_t nq = std::min(tq, cu[p + 1] - cu[p] - t0), pos0 = start[p] + t0;
       const int64_t keys = pos0 + nq - (window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0);
       for (int64_t h = 0; h < kvh; ++h) {
-        items.push_back({p, t0, h, nq * (keys + 32) + 256});
+        items.push_back({p, t0, nq, h, nq * (keys + 32) + 256});
         total += items.back().cost;
       }
     }
@@ -471,12 +470,11 @@ void prefill_run(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT*
   }
   at::parallel_for(0, nt, 1, [&](int64_t tb, int64_t te) {
     FlushDenormals ftz;  // tiny probabilities would each cost a microcode assist
-    Buffers b((mha ? kLongTiles : 1) * TQ * (heads / kvh) + 8, d);
+    Buffers b(long_tq * (heads / kvh) + 8, d);
     for (int64_t i = bounds[tb]; i < bounds[te]; ++i) {
       const Item& it = items[i];
-      const int64_t nq = std::min(tile_tokens(it.seq), cu[it.seq + 1] - cu[it.seq] - it.t0);
       prefill_item(out, q, q_stride, kc, vc, ks, vs, tables + it.seq * width, cu[it.seq] + it.t0,
-                   start[it.seq] + it.t0, nq, it.head, heads, kvh, d, bs, window, scale, softcap, b);
+                   start[it.seq] + it.t0, it.nq, it.head, heads, kvh, d, bs, window, scale, softcap, b);
     }
   });
 }
