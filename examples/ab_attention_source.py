@@ -83,20 +83,20 @@ def main() -> None:
             for case in args.cases.split(","):
                 lens = torch.tensor(lengths(case, g, args.op))
                 kc, vc, tables = bca.paged(lens.tolist(), dtype, g, consecutive=True)
+                zeros = torch.zeros_like(lens)  # prefill: each prompt's start; decode: each window's low end
                 if args.op == "prefill":  # whole prompts: one query row per token
                     cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
-                    start = torch.zeros_like(lens)
                     q = torch.randn(int(cu[-1]), heads, d, generator=g).to(dtype)
+                    rest = (q, kc, vc, None, None, tables, cu, zeros, 0, d ** -0.5, 0.0)
+                    work, unit = sum(4 * x * x / 2 * heads * d for x in lens.tolist()), "GFLOP/s"
                 else:
                     q = torch.randn(len(lens), heads, d, generator=g).to(dtype)
-                    lo = torch.zeros_like(lens)
+                    rest = (None, q, kc, vc, None, None, tables, zeros, lens, d ** -0.5, 0.0)
+                    work, unit = int(lens.sum()) * kvh * d * 2 * kc.element_size(), "GB/s"
                 outs = {n: torch.empty_like(q) for n in ops}
 
                 def call(n: str) -> None:
-                    if args.op == "prefill":
-                        ops[n](outs[n], q, kc, vc, None, None, tables, cu, start, 0, d ** -0.5, 0.0)
-                    else:
-                        ops[n](outs[n], None, q, kc, vc, None, None, tables, lo, lens, d ** -0.5, 0.0)
+                    ops[n](outs[n], *rest)
 
                 for n in ops:
                     call(n)
@@ -108,10 +108,6 @@ def main() -> None:
                         call(n)
                         times[n].append(time.perf_counter() - t)
                 med = {n: statistics.median(t) for n, t in times.items()}
-                if args.op == "prefill":
-                    work, unit = sum(4 * x * x / 2 * heads * d for x in lens.tolist()), "GFLOP/s"
-                else:
-                    work, unit = int(lens.sum()) * kvh * d * 2 * kc.element_size(), "GB/s"
                 cells = "  ".join(f"{n} {med[n] * 1e3:.2f} ms {work / med[n] / 1e9:.1f} {unit} {med['base'] / med[n]:.3f}x"
                                   for n in ops)
                 print(f"threads {threads} {case:>9}: {cells}  (max diff {diff:.1e})", flush=True)
