@@ -145,6 +145,43 @@ inline __m512 gelu_tanh16(__m512 g) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// exp_neg for 8 lanes (no scalef on AVX2: 2^k through the exponent bits).
+inline __m256 exp_neg8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));  // k >= -126: 2^k stays a normal number
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145752f), x);
+  const __m256 rr = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720.f);
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// The lanes [0, n) of 8 (n may be past 8 or below 0).
+inline __m256i lanes_below8(int64_t n) {
+  const int v = static_cast<int>(std::min<int64_t>(std::max<int64_t>(n, 0), 8));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 #ifdef __AVX512F__
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {

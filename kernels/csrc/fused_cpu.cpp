@@ -109,25 +109,9 @@ void rope_impl(T* x, const T* cos, const T* sin, int64_t n, int64_t heads, int64
 // computes the same ones.
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// The same for 8 lanes on AVX2 CPUs (no scalef or rcp14: 2^k through the exponent bits, and a
-// true division, which is off the critical path of a memory-bound op).
+// The same for 8 lanes on AVX2 CPUs (exp_neg8 in cpu_common.h, and a true division, which is off
+// the critical path of a memory-bound op).
 #define BATCHGEN_ACT8 1
-inline __m256 exp_neg8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));  // k >= -126: 2^k stays a normal number
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145752f), x);
-  const __m256 rr = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.42860677e-6f), r);
-  __m256 p = _mm256_set1_ps(1.f / 720.f);
-  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f / 120.f));
-  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f / 24.f));
-  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f / 6.f));
-  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 inline __m256 sigmoid8(__m256 x) {
   const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.f), x);
   const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_setzero_ps(), ax));  // exp(-|x|) in (0, 1]
