@@ -163,10 +163,9 @@ inline __m256 exp_neg8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// The lanes [0, n) of 8 (n may be past 8 or below 0).
-inline __m256i lanes_below8(int64_t n) {
-  const int v = static_cast<int>(std::min<int64_t>(std::max<int64_t>(n, 0), 8));
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+// The mask of lanes [0, n) of 8: none for n <= 0, all for n >= 8.
+inline __m256i lanes_below8(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 inline float hsum8(__m256 v) {

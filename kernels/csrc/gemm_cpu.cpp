@@ -511,10 +511,6 @@ namespace fma {
 constexpr int kRows = 6;
 constexpr int64_t kSliceBytes = 16384, kBlockRows = 256;  // columns per panel: kCols (16), as above
 
-inline __m256i lanes_below(int n) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
 struct Tile {
   float* c;            // fp32 sums: the fp32 output, or (bf16) the thread's buffer, ldc apart
   int64_t ldc;
@@ -536,7 +532,7 @@ __attribute__((noinline)) void tile(const float* a, int64_t lda, const void* bp,
   const char* const pf_end = pf ? pf + pf_lines * 64 : nullptr;
   __m256 acc[MR][2];
   const bool full = BF16 || t.cols == kCols;  // the bf16 sums buffer is 16 wide
-  const __m256i m0 = lanes_below(t.cols), m1 = lanes_below(t.cols - 8);
+  const __m256i m0 = batchgen_cpu::lanes_below8(t.cols), m1 = batchgen_cpu::lanes_below8(t.cols - 8);
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
     float* c = t.c + i * t.ldc;

@@ -249,7 +249,7 @@ inline float row_max(const float* s, int64_t jlo, int64_t jhi) {
   int64_t j = jlo;
   for (; j + 8 <= jhi; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
   if (j < jhi) {
-    const __m256 lanes = _mm256_castsi256_ps(lanes_below8(jhi - j));
+    const __m256 lanes = _mm256_castsi256_ps(lanes_below8(static_cast<int>(jhi - j)));
     m = _mm256_max_ps(m, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_maskload_ps(s + j, _mm256_castps_si256(lanes)), lanes));
   }
   return hmax8(m);
@@ -265,7 +265,7 @@ inline float exp_sum(float* s, int64_t jlo, int64_t jhi, float mx) {
     z = _mm256_add_ps(z, e);
   }
   if (j < jhi) {
-    const __m256i lanes = lanes_below8(jhi - j);
+    const __m256i lanes = lanes_below8(static_cast<int>(jhi - j));
     const __m256 e = _mm256_and_ps(exp_neg8(_mm256_sub_ps(_mm256_maskload_ps(s + j, lanes), m)), _mm256_castsi256_ps(lanes));
     _mm256_maskstore_ps(s + j, lanes, e);
     z = _mm256_add_ps(z, e);
@@ -291,6 +291,11 @@ inline float exp_sum(float* s, int64_t jlo, int64_t jhi, float mx) {
 #endif
 
 #if defined(__AVX512F__) || defined(__AVX2__)
+// The first key a query at position pos sees: pos - window + 1 with a window (window > 0), else 0.
+inline int64_t first_key(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
+
 struct Item {
   int64_t seq, t0, nq, head, cost;  // query tokens [t0, t0 + nq) of sequence seq
 };
@@ -300,7 +305,6 @@ struct Buffers {
   std::vector<uint32_t> q2, k2;  // the bf16 score path: pairs of bf16 per 32-bit element
   std::vector<int64_t> slots;
   std::vector<const char*> pf;  // lines the next item reads first (prefetch_ahead), issued during this one
-  size_t pf_at = 0;
   Buffers(int64_t rows, int64_t d)
       : q(rows * d), kt(d * KC), v(KC * d), s(rows * KC), o(rows * d), m(rows), l(rows), alpha(rows),
         q2(rows * d / 2), k2(d / 2 * KC), slots(KC) {}
@@ -343,9 +347,11 @@ void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT
   std::fill(b.o.begin(), b.o.begin() + Mp * d, 0.f);
   std::fill(b.m.begin(), b.m.begin() + Mp, -1e30f);
   std::fill(b.l.begin(), b.l.begin() + Mp, 0.f);
-  const int64_t klo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0, khi = pos0 + nq;
+  const int64_t klo = first_key(pos0, window), khi = pos0 + nq;
   const int64_t row = kvh * d;
-  const size_t pf_per_row = (b.pf.size() + Mp - 1) / Mp;  // the next item's lines, spread over the first chunk's rows
+  // the next item's lines, spread over the first chunk's rows
+  const size_t pf_per_row = (b.pf.size() + Mp - 1) / Mp;
+  size_t pf_at = 0;
   for (int64_t c0 = klo; c0 < khi; c0 += KC) {
     const int64_t nk = std::min(KC, khi - c0), nkp = (nk + kKeyPad - 1) / kKeyPad * kKeyPad;
     walk_blocks(table, c0, c0 + nk, bs, [&](int64_t slot0, int64_t cnt, int64_t at, int64_t) {
@@ -431,13 +437,13 @@ void prefill_item(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT
 #endif
     // Online softmax over each row's visible keys of the chunk; the rest get probability 0.
     for (int64_t r = 0; r < Mp; ++r) {
-      for (const size_t e = std::min(b.pf.size(), b.pf_at + pf_per_row); b.pf_at < e; ++b.pf_at)
-        _mm_prefetch(b.pf[b.pf_at], _MM_HINT_T1);
+      for (const size_t e = std::min(b.pf.size(), pf_at + pf_per_row); pf_at < e; ++pf_at)
+        _mm_prefetch(b.pf[pf_at], _MM_HINT_T1);
       float* s = b.s.data() + r * KC;
       int64_t jlo = 0, jhi = 0;
       if (r < M) {
         const int64_t t = pos0 + r / G;
-        jlo = window > 0 ? std::max<int64_t>(0, t - window + 1 - c0) : 0;
+        jlo = std::max<int64_t>(0, first_key(t, window) - c0);
         jhi = std::min(nk, t + 1 - c0);
       }
       if (jhi <= jlo) {
@@ -495,19 +501,19 @@ void prefetch_ahead(std::vector<const char*>& pf, const std::vector<Item>& items
   const Item& it = items[i];
   const int64_t pos0 = start[it.seq] + it.t0;
   const bool fresh = items[i - 1].seq != it.seq || items[i - 1].head != it.head;
-  const int64_t klo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+  const int64_t klo = first_key(pos0, window);
   const int64_t k0 = fresh ? klo : pos0, k1 = fresh ? std::min(pos0 + it.nq, klo + KC) : pos0 + it.nq;
-  const int64_t* table = tables + it.seq * width;
   const int64_t head_bytes = d * static_cast<int64_t>(sizeof(KT)), row_bytes = kvh * head_bytes;
-  for (int64_t t = k0; t < k1; ++t) {
-    const int64_t slot = table[t / bs] * bs + t % bs;
-    const char* kp = reinterpret_cast<const char*>(kc) + slot * row_bytes + it.head * head_bytes;
-    const char* vp = reinterpret_cast<const char*>(vc) + slot * row_bytes + it.head * head_bytes;
-    for (int64_t o = 0; o < head_bytes; o += 64) {
-      pf.push_back(kp + o);
-      pf.push_back(vp + o);
+  walk_blocks(tables + it.seq * width, k0, k1, bs, [&](int64_t slot0, int64_t cnt, int64_t, int64_t) {
+    for (int64_t slot = slot0; slot < slot0 + cnt; ++slot) {
+      const char* kp = reinterpret_cast<const char*>(kc) + slot * row_bytes + it.head * head_bytes;
+      const char* vp = reinterpret_cast<const char*>(vc) + slot * row_bytes + it.head * head_bytes;
+      for (int64_t o = 0; o < head_bytes; o += 64) {
+        pf.push_back(kp + o);
+        pf.push_back(vp + o);
+      }
     }
-  }
+  });
   const int64_t q_bytes = group * d * static_cast<int64_t>(sizeof(QT));
   for (int64_t r = 0; r < it.nq; ++r) {
     const char* qp = reinterpret_cast<const char*>(q + (cu[it.seq] + it.t0 + r) * q_stride + it.head * group * d);
@@ -542,7 +548,7 @@ void prefill_run(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT*
     for (int64_t h = 0; h < kvh; ++h)
       for (int64_t t0 = 0, tq = cu[p + 1] - cu[p] >= 128 ? long_tq : TQ; t0 < cu[p + 1] - cu[p]; t0 += tq) {
         const int64_t nq = std::min(tq, cu[p + 1] - cu[p] - t0), pos0 = start[p] + t0;
-        const int64_t keys = pos0 + nq - (window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0);
+        const int64_t keys = pos0 + nq - first_key(pos0, window);
         items.push_back({p, t0, nq, h, nq * (keys + 32) + 256});
         total += items.back().cost;
       }
@@ -565,7 +571,6 @@ void prefill_run(QT* out, const QT* q, int64_t q_stride, const KT* kc, const KT*
         prefetch_ahead(b.pf, items, i + 1, q, q_stride, kc, vc, tables, width, cu, start, kvh, heads / kvh, d, bs, window);
       else
         b.pf.clear();
-      b.pf_at = 0;
       prefill_item(out, q, q_stride, kc, vc, ks, vs, tables + it.seq * width, cu[it.seq] + it.t0,
                    start[it.seq] + it.t0, it.nq, it.head, heads, kvh, d, bs, window, scale, softcap, b);
     }
