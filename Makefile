@@ -25,11 +25,12 @@ run: setup
 
 # Two pytest-xdist workers, a test module each at a time (its fixtures built once): most tests are
 # single-threaded Python, so two cores finish in ~60% of the serial time. TEST_WORKERS=0: serial.
+# --no-loadscope-reorder: the modules go out heaviest first, as tests/conftest.py orders them.
 # PYTHONSAFEPATH=1: `python -m` would put the checkout on sys.path, and its kernels/ folder would
 # then shadow PyPI's `kernels`, which transformers (5.25 on) depends on and imports.
 TEST_WORKERS ?= 2
 test: setup
-	PYTHONSAFEPATH=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope tests
+	PYTHONSAFEPATH=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder tests
 
 bench: setup
 	$(VENV)/bin/batchgen bench
