@@ -55,9 +55,9 @@ def _speed_up_the_triton_interpreter() -> None:
     patched: set = set()
 
     def patch_once(fn):
-        if not langs(fn) <= patched:
+        if not (needed := langs(fn)) <= patched:
             patch(fn)
-            patched.update(langs(fn))
+            patched.update(needed)
         return interpreter._LangPatchScope()  # nothing to undo
 
     interpreter._patch_lang = patch_once
