@@ -494,12 +494,16 @@ void with_bf16_walk(F&& f) {
 // 16 bits, k1 = its high half masked, so the weight stream stays bf16 and the arithmetic is fp32).
 // A 6-row x 16-column register tile (12 accumulators, 2 weight vectors, 1 broadcast) walks one
 // 16 KiB slice of a panel (256 k of fp32, 512 of bf16), which stays in L1 while every row tile of
-// the call runs over it; the first (up to six) tiles prefetch the next slice between them, each its
-// share of the lines spread evenly over its steps of k. (The first tile alone prefetching the whole
-// slice, as before, sent the weight stream's requests in one burst and left the other tiles' FMAs
-// with none in flight: at a decode step's 8-32 rows the spread runs 8-20% faster on Zen 3, fp32, at
-// Qwen2.5-1.5B, Llama-3.2-1B and SmolLM2's shapes; level from 48 rows and in bf16 beyond 8 rows.
-// Spread over all of a prefill block's tiles, the lines arrived too late: 0.86x at 256 rows.)
+// the call runs over it. Meanwhile the next slice is prefetched, one line per step of k: at up to
+// four tiles (24 rows) the tiles share its lines, each its share spread evenly over its steps, and
+// from five tiles on the first tile alone prefetches all of them. (The first tile alone at 8-24
+// rows left the other tiles' FMAs with no requests in flight: the shared prefetch ran 8-20% faster
+// there on Zen 3, fp32, at Qwen2.5-1.5B, Llama-3.2-1B and SmolLM2's shapes. Shared by five or six
+// tiles, the last shares came too late for the slice after: 0.85-0.87x the first tile alone at
+// 32-64 rows on Llama-3.2-1B fp32; the first tile alone above 24 rows then ran 1.12-1.27x fp32 at
+// 32-64 rows on the three shapes (1.03-1.14x at 128), 0.98-1.21x bf16 at 32-128, and a whole
+// Llama-3.2-1B fp32 prompt-heavy run 1.07x. Spread over all of a prefill block's tiles: 0.86x at
+// 256 rows.)
 // Each thread takes a contiguous run of panels and walks them panel by panel, slice by slice, so
 // its share of the weight streams in memory order; at prefill rows it walks groups of panels slice by slice
 // (group_panels). Between slices the sums go to the output (fp32) or to a per-thread fp32 buffer
@@ -652,8 +656,8 @@ void block(float* c, uint16_t* c16, int64_t ldc, const float* a, int64_t m, int6
                            : k0 + kc < k ? wb + g0 * panel_bytes + (k0 + kc) / kLine * 64
                                          : wb + g1 * panel_bytes;
         if (next + kn / kLine * 64 > end) next = nullptr;
-        // the next slice's lines, shared by the first `spread` tiles
-        const int64_t lines = kn / kLine, spread = std::min<int64_t>(tiles, 6);
+        // the next slice's lines: shared by the tiles up to four of them, else the first tile's
+        const int64_t lines = kn / kLine, spread = tiles <= 4 ? tiles : 1;
         for (int64_t i = 0, r = 0; i < tiles; ++i) {
           const int64_t rows = base + (i < taller);
           Tile tr = t;
