@@ -494,9 +494,9 @@ void with_bf16_walk(F&& f) {
 // 16 bits, k1 = its high half masked, so the weight stream stays bf16 and the arithmetic is fp32).
 // A 6-row x 16-column register tile (12 accumulators, 2 weight vectors, 1 broadcast) walks one
 // 16 KiB slice of a panel (256 k of fp32, 512 of bf16), which stays in L1 while every row tile of
-// the call runs over it. Meanwhile the next slice is prefetched, one line per step of k: at up to
-// four tiles (24 rows) the tiles share its lines, each its share spread evenly over its steps, and
-// from five tiles on the first tile alone prefetches all of them. (The first tile alone at 8-24
+// the call runs over it. Meanwhile the next slice is prefetched: at up to four tiles (24 rows) the
+// tiles share its lines, each its share spread evenly over its steps, and from five tiles on the
+// first tile alone prefetches all of them, one line per step. (The first tile alone at 8-24
 // rows left the other tiles' FMAs with no requests in flight: the shared prefetch ran 8-20% faster
 // there on Zen 3, fp32, at Qwen2.5-1.5B, Llama-3.2-1B and SmolLM2's shapes. Shared by five or six
 // tiles, the last shares came too late for the slice after: 0.85-0.87x the first tile alone at
