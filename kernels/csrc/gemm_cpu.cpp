@@ -506,8 +506,8 @@ void with_bf16_walk(F&& f) {
 // 256 rows.)
 // Each thread takes a contiguous run of panels and walks them panel by panel, slice by slice, so
 // its share of the weight streams in memory order; at prefill rows it walks groups of panels slice by slice
-// (group_panels). Between slices the sums go to the output (fp32) or to a per-thread fp32 buffer
-// (bf16). Calls with more than 256 rows run as 256-row blocks: the x of a block
+// (group_panels). Between slices the sums stay in a 16-column fp32 buffer per panel (block()), not
+// in the output's rows. Calls with more than 256 rows run as 256-row blocks: the x of a block
 // stays in L2/L3, and the output rows a tile writes stay within the TLB's reach (one unblocked pass
 // over 2,048 rows ran 15-25% slower). bf16 x is widened once per block into an fp32 buffer.
 namespace fma {
@@ -516,7 +516,7 @@ constexpr int kRows = 6;
 constexpr int64_t kSliceBytes = 16384, kBlockRows = 256;  // columns per panel: kCols (16), as above
 
 struct Tile {
-  float* c;            // fp32 sums: the fp32 output, or (bf16) the thread's buffer, ldc apart
+  float* c;            // fp32 sums: block()'s sums buffer, or (fp32, k in one slice) the output, ldc apart
   int64_t ldc;
   uint16_t* c16;       // bf16 output rows (ldc16 apart), written on the last slice; null for fp32
   int64_t ldc16;
@@ -637,7 +637,13 @@ void block(float* c, uint16_t* c16, int64_t ldc, const float* a, int64_t m, int6
   const int64_t panel_bytes = k / kLine * 64;
   const char* end = wb + p1 * panel_bytes;
   const int64_t group = group_panels(m, k);
-  std::vector<float> sums(BF16 ? group * m * kCols : 0);  // bf16: each panel of the group its m x 16 sums
+  // Each panel of the group keeps its m x 16 sums here between slices, 64 bytes a row: bf16 always,
+  // fp32 wherever k takes several slices (copied into c after the last). In c itself a tile's rows
+  // lie ldc apart, and at a power-of-two width they share cache sets (Llama-3.2-1B's gate/up: 64
+  // KiB apart, one L2 set for every row): fp32 ran 1.05-1.10x at 128-1,024 rows there, 1.01-1.05x
+  // on other shapes, level at a decode step's rows (examples/ab_gemm_source.py, Zen 3).
+  const bool own_sums = BF16 || slices > 1;
+  std::vector<float> sums(own_sums ? group * m * kCols : 0);
   // ceil(m / 6) tiles of near-equal height (32 rows: 6, 6, 5, 5, 5, 5, not 6 x 5 + 2): a tile of
   // few rows has too few accumulators to cover the FMA latency.
   const int64_t tiles = (m + kRows - 1) / kRows, base = m / tiles, taller = m % tiles;
@@ -646,7 +652,8 @@ void block(float* c, uint16_t* c16, int64_t ldc, const float* a, int64_t m, int6
     for (int64_t k0 = 0; k0 < k; k0 += kc) {
       const int64_t kn = std::min(kc, k - k0);
       for (int64_t p = g0; p < g1; ++p) {
-        Tile t{BF16 ? sums.data() + (p - g0) * m * kCols : c + p * kCols, BF16 ? kCols : ldc, BF16 ? c16 + p * kCols : nullptr, ldc,
+        Tile t{own_sums ? sums.data() + (p - g0) * m * kCols : c + p * kCols, own_sums ? kCols : ldc,
+               BF16 ? c16 + p * kCols : nullptr, ldc,
                bias ? bias + p * kCols : nullptr, static_cast<int>(std::min(kCols, n - p * kCols)), k0 == 0,
                k0 + kn >= k};
         const char* b = wb + p * panel_bytes + k0 / kLine * 64;
@@ -677,6 +684,13 @@ void block(float* c, uint16_t* c16, int64_t ldc, const float* a, int64_t m, int6
             default: tile<1, BF16>(ar, lda, b, kn, tr, pf, sh.n, every); break;
           }
         }
+      }
+    }
+    if (!BF16 && own_sums) {  // the group's fp32 sums into the output rows
+      for (int64_t p = g0; p < g1; ++p) {
+        const int64_t cols = std::min(kCols, n - p * kCols);
+        const float* sp = sums.data() + (p - g0) * m * kCols;
+        for (int64_t r = 0; r < m; ++r) std::memcpy(c + r * ldc + p * kCols, sp + r * kCols, cols * sizeof(float));
       }
     }
   }
