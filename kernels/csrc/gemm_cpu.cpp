@@ -640,8 +640,9 @@ void block(float* c, uint16_t* c16, int64_t ldc, const float* a, int64_t m, int6
   // Each panel of the group keeps its m x 16 sums here between slices, 64 bytes a row: bf16 always,
   // fp32 wherever k takes several slices (copied into c after the last). In c itself a tile's rows
   // lie ldc apart, and at a power-of-two width they share cache sets (Llama-3.2-1B's gate/up: 64
-  // KiB apart, one L2 set for every row): fp32 ran 1.05-1.10x at 128-1,024 rows there, 1.01-1.05x
-  // on other shapes, level at a decode step's rows (examples/ab_gemm_source.py, Zen 3).
+  // KiB apart, one L2 set for every row): fp32 ran 1.05-1.10x at 128-1,024 rows there, 0.98-1.12x
+  // (mostly 1.01-1.05x) at Qwen2.5-1.5B/3B and SmolLM2's shapes, level at a decode step's rows
+  // (examples/ab_gemm_source.py, Zen 3).
   const bool own_sums = BF16 || slices > 1;
   std::vector<float> sums(own_sums ? group * m * kCols : 0);
   // ceil(m / 6) tiles of near-equal height (32 rows: 6, 6, 5, 5, 5, 5, not 6 x 5 + 2): a tile of
