@@ -507,7 +507,7 @@ void with_bf16_walk(F&& f) {
 // Each thread takes a contiguous run of panels and walks them panel by panel, slice by slice, so
 // its share of the weight streams in memory order; at prefill rows it walks groups of panels slice by slice
 // (group_panels). Between slices the sums stay in a 16-column fp32 buffer per panel (block()), not
-// in the output's rows. Calls with more than 256 rows run as 256-row blocks: the x of a block
+// in the output's rows (an fp32 call whose k fits one slice writes the output directly). Calls with more than 256 rows run as 256-row blocks: the x of a block
 // stays in L2/L3, and the output rows a tile writes stay within the TLB's reach (one unblocked pass
 // over 2,048 rows ran 15-25% slower). bf16 x is widened once per block into an fp32 buffer.
 namespace fma {
