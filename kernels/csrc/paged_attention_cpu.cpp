@@ -39,14 +39,8 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* lse, f
   for (int64_t r = 0; r < rows; ++r) {
     float* sg = scores + r * len;
     if (softcap > 0.f) soft_cap(sg, len, softcap);
-    float m = sg[0];
-    for (int64_t j = 1; j < len; ++j) m = sg[j] > m ? sg[j] : m;
-    float z = 0.f;
-#pragma omp simd reduction(+ : z)
-    for (int64_t j = 0; j < len; ++j) {
-      sg[j] = std::exp(sg[j] - m);
-      z += sg[j];
-    }
+    const float m = row_max(sg, 0, len);
+    const float z = exp_sum(sg, 0, len, m);
     const float inv = 1.f / z;
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) sg[j] *= inv;

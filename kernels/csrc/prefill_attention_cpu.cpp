@@ -238,58 +238,6 @@ inline void tile_at(const float* A, int64_t lda, const float* B, int64_t ldb, in
 }
 #endif
 
-// The online softmax's passes over a row's visible scores s[jlo, jhi) (jlo < jhi): their max, and
-// exp(s - m) in place, returning the sum. On AVX2 CPUs 8 lanes at a time, exp by exp_neg8's
-// polynomial: libmvec's expf, which the plain loop calls through `omp simd`, and the scalar max were
-// 11% and 2% of the op's time at 9,3,64 (2 x 2,000 tokens, fp32, Zen 3). AVX-512 CPUs keep the
-// plain loops (their libmvec calls are 16 lanes wide; not measured against a polynomial there).
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-inline float row_max(const float* s, int64_t jlo, int64_t jhi) {
-  __m256 m = _mm256_set1_ps(-INFINITY);
-  int64_t j = jlo;
-  for (; j + 8 <= jhi; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
-  if (j < jhi) {
-    const __m256 lanes = _mm256_castsi256_ps(lanes_below8(static_cast<int>(jhi - j)));
-    m = _mm256_max_ps(m, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_maskload_ps(s + j, _mm256_castps_si256(lanes)), lanes));
-  }
-  return hmax8(m);
-}
-
-inline float exp_sum(float* s, int64_t jlo, int64_t jhi, float mx) {
-  const __m256 m = _mm256_set1_ps(mx);
-  __m256 z = _mm256_setzero_ps();
-  int64_t j = jlo;
-  for (; j + 8 <= jhi; j += 8) {
-    const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
-    _mm256_storeu_ps(s + j, e);
-    z = _mm256_add_ps(z, e);
-  }
-  if (j < jhi) {
-    const __m256i lanes = lanes_below8(static_cast<int>(jhi - j));
-    const __m256 e = _mm256_and_ps(exp_neg8(_mm256_sub_ps(_mm256_maskload_ps(s + j, lanes), m)), _mm256_castsi256_ps(lanes));
-    _mm256_maskstore_ps(s + j, lanes, e);
-    z = _mm256_add_ps(z, e);
-  }
-  return hsum8(z);
-}
-#else
-inline float row_max(const float* s, int64_t jlo, int64_t jhi) {
-  float mx = s[jlo];
-  for (int64_t j = jlo + 1; j < jhi; ++j) mx = s[j] > mx ? s[j] : mx;
-  return mx;
-}
-
-inline float exp_sum(float* s, int64_t jlo, int64_t jhi, float mx) {
-  float z = 0.f;
-#pragma omp simd reduction(+ : z)
-  for (int64_t j = jlo; j < jhi; ++j) {
-    s[j] = std::exp(s[j] - mx);
-    z += s[j];
-  }
-  return z;
-}
-#endif
-
 #if defined(__AVX512F__) || defined(__AVX2__)
 // The first key a query at position pos sees: pos - window + 1 with a window (window > 0), else 0.
 inline int64_t first_key(int64_t pos, int64_t window) {
